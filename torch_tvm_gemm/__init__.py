@@ -1,0 +1,43 @@
+"""torch_tvm_gemm: PyTorch ops whose kernels are compiled by Apache TVM.
+
+    import torch, torch_tvm_gemm
+    y = torch.ops.tvm_gemm.matmul(a, b)              # or torch_tvm_gemm.matmul(a, b)
+    y = torch_tvm_gemm.linear(x, w, b, "relu")       # relu(x @ w.T + b), one fused kernel
+    model = torch_tvm_gemm.swap_linear(model)        # nn.Linear -> TVMLinear, in place
+
+Kernels are compiled on first use for this machine and cached on disk
+(``TVM_GEMM_CACHE_DIR``, default ``~/.cache/torch_tvm_gemm``); a warm cache needs only the
+TVM runtime, never the compiler.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
+from .nn import TVMLinear, swap_linear, unswap_linear
+
+__all__ = ["matmul", "linear", "TVMLinear", "swap_linear", "unswap_linear"]
+__version__ = "0.1.0"
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.matmul(a, b)`` computed by a TVM kernel.
+
+    ``a`` is 2-D ``(M, K)`` or 3-D ``(B, M, K)``; ``b`` is ``(K, N)`` or ``(B, K, N)``; batch
+    dims broadcast as in torch (a batch of 1 against B). Dtypes float32, float64, bfloat16,
+    float16 (the narrow ones accumulate in float32); both tensors of one dtype and device.
+    Differentiable; works under ``torch.compile``.
+    """
+    return torch.ops.tvm_gemm.matmul(a, b)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none") -> Tensor:
+    """``act(x @ weight.T + bias)`` in one TVM kernel, like ``F.linear`` plus an activation.
+
+    ``x`` is ``(..., K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)`` or None, ``activation`` one of
+    ``"none"``, ``"relu"``, ``"gelu"`` (exact erf form, as ``F.gelu``). The activation is
+    applied once to the final sum. Differentiable; works under ``torch.compile``.
+    """
+    return torch.ops.tvm_gemm.linear(x, weight, bias, activation)

@@ -1,0 +1,199 @@
+"""The on-disk kernel cache: keys, layout, locking, atomic writes, corruption recovery.
+
+Layout: ``<cache dir>/kernels/<kernel name>-<key hash>.so`` plus a ``.json`` beside it holding
+the full key, the file's SHA-256 and size. A kernel is trusted only if its ``.json`` exists and
+the hash matches, so a truncated or corrupt file (a crash mid-write on another filesystem,
+a disk error, a hand edit) is detected, reported and rebuilt rather than loaded.
+
+Build protocol (as in flashinfer's JIT): try to load; else take a file lock on the kernel,
+try to load again (another process may have built it meanwhile), build, write to a temporary
+file, rename it into place (atomic), write the ``.json`` last, release the lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from . import build
+from .target import host_cpu
+
+ENV_CACHE_DIR = "TVM_GEMM_CACHE_DIR"
+ENV_NO_COMPILE = "TVM_GEMM_NO_COMPILE"  # "1": serve kernels from the cache only
+LOCK_TIMEOUT_S = 900  # longest wait for another process's build of the same kernel
+
+
+class KernelNotCachedError(RuntimeError):
+    """A kernel is missing from the cache while compiling is forbidden."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get(ENV_CACHE_DIR):
+        return Path(os.environ[ENV_CACHE_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "torch_tvm_gemm"
+
+
+def kernels_dir() -> Path:
+    return cache_dir() / "kernels"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def device_key(device: str) -> str:
+    if device == "cpu":
+        return host_cpu().key()
+    return device
+
+
+def full_key(spec) -> dict:
+    """Everything that changes the binary: the spec, target, TVM and schedule versions."""
+    return {
+        **spec.key(),
+        "target": device_key(spec.device),
+        "tvm": _version("apache-tvm"),
+        "schedule_version": build.schedule_version(spec.device),
+    }
+
+
+def kernel_path(spec) -> Path:
+    digest = hashlib.sha256(json.dumps(full_key(spec), sort_keys=True).encode()).hexdigest()
+    return kernels_dir() / f"{spec.name()}-{digest[:16]}.so"
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads(_meta_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_intact(path: Path) -> bool:
+    """True if ``path`` is a complete cached kernel (its recorded hash matches)."""
+    meta = read_meta(path)
+    if meta is None or not path.exists():
+        return False
+    try:
+        return path.stat().st_size == meta.get("size") and _sha256(path) == meta.get("sha256")
+    except OSError:
+        return False
+
+
+def _load_cached(path: Path, name: str) -> Any | None:
+    """The kernel function if ``path`` holds an intact cached kernel, else None."""
+    from .runtime import load_kernel_file
+
+    if not path.exists() and not _meta_path(path).exists():
+        return None
+    if not is_intact(path):
+        warnings.warn(
+            f"torch_tvm_gemm: cached kernel {path} is corrupt or incomplete; rebuilding it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _remove(path)
+        return None
+    try:
+        os.utime(path)  # last use, for pruning; may fail on a read-only cache
+    except OSError:
+        pass
+    return load_kernel_file(path, name)
+
+
+def _remove(path: Path) -> None:
+    for p in (path, _meta_path(path)):
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # read-only cache: nothing we can do but not use it
+            warnings.warn(f"torch_tvm_gemm: cannot remove {p}: {err}", RuntimeWarning, stacklevel=4)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _export(executable: Any, path: Path, spec, seconds: float) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        executable.export_library(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    meta = {
+        "key": full_key(spec),
+        "name": spec.name(),
+        "sha256": _sha256(path),
+        "size": path.stat().st_size,
+        "build_seconds": round(seconds, 3),
+    }
+    _atomic_write_text(_meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
+
+
+def load_or_build(spec) -> Any:
+    """The callable kernel for ``spec``: from the cache, or built (once) and cached."""
+    path = kernel_path(spec)
+    fn = _load_cached(path, spec.name())
+    if fn is not None:
+        return fn
+    if os.environ.get(ENV_NO_COMPILE, "") not in ("", "0"):
+        raise KernelNotCachedError(
+            f"torch_tvm_gemm: kernel {spec.name()} is not in the cache {kernels_dir()} and "
+            f"{ENV_NO_COMPILE} forbids compiling it (build it once without {ENV_NO_COMPILE})"
+        )
+    if not _writable(path.parent):
+        warnings.warn(
+            f"torch_tvm_gemm: cache dir {path.parent} is not writable; building "
+            f"{spec.name()} in memory only (set {ENV_CACHE_DIR} to a writable dir)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        from .runtime import keep_alive
+
+        executable, _ = build.compile_spec(spec)
+        keep_alive(executable)
+        return executable["main"]
+    with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
+        fn = _load_cached(path, spec.name())  # built by another process while we waited?
+        if fn is not None:
+            return fn
+        executable, seconds = build.compile_spec(spec)
+        _export(executable, path, spec, seconds)
+    from .runtime import load_kernel_file
+
+    return load_kernel_file(path, spec.name())

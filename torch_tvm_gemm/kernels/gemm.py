@@ -1,0 +1,127 @@
+"""The math of every GEMM kernel: ``out = act(A @ B + bias)``, written in TensorIR (TE).
+
+No schedule here: the same PrimFunc is scheduled for LLVM CPUs in ``schedules/cpu.py`` and for
+CUDA in ``schedules/cuda.py``.
+
+Shapes: ``A (M, K)``; ``B (K, N)`` (layout "kn", torch.matmul's right operand) or ``(N, K)``
+(layout "nk", an ``nn.Linear`` weight); ``bias (N,)``; ``out (M, N)``. ``M`` is always
+symbolic, so one kernel serves every batch size; ``N`` is static; ``K`` is static or symbolic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ACTIVATIONS = ("none", "relu", "gelu")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """Everything that changes a compiled GEMM binary (the target aside)."""
+
+    dtype: str
+    n: int
+    k: int | None  # None: symbolic K
+    b_layout: str  # "kn" or "nk"
+    bias: bool = False
+    activation: str = "none"
+    variant: str = "gemm"  # schedule family: "gemm" (packed B, any M) or "gemv" (small M)
+    device: str = "cpu"
+
+    family = "gemm"
+
+    def __post_init__(self) -> None:
+        # Internal invariants: user input is validated in ops.py before a spec is made.
+        if self.dtype not in DTYPES or self.activation not in ACTIVATIONS:
+            raise ValueError(f"bad GemmSpec {self}")
+        if self.b_layout not in ("kn", "nk"):
+            raise ValueError(f"bad GemmSpec {self}")
+
+    @property
+    def acc_dtype(self) -> str:
+        return "float64" if self.dtype == "float64" else "float32"
+
+    def key(self) -> dict:
+        return {"family": self.family, **asdict(self)}
+
+    def name(self) -> str:
+        k = "K" if self.k is None else self.k
+        epi = ("_bias" if self.bias else "") + ("" if self.activation == "none" else "_" + self.activation)
+        return f"gemm_{self.variant}_{self.dtype}_{self.b_layout}_n{self.n}_k{k}{epi}"
+
+
+def apply_activation(x, activation: str, dtype: str):
+    """The activation on a TE/TIR expression, applied once to the final sum."""
+    from tvm import tirx
+
+    if activation == "none":
+        return x
+    if activation == "relu":
+        return tirx.max(x, tirx.const(0, dtype))
+    if activation == "gelu":  # exact erf form, as torch.nn.functional.gelu
+        half = tirx.const(0.5, dtype)
+        return half * x * (tirx.const(1, dtype) + tirx.erf(x * tirx.const(0.7071067811865476, dtype)))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def gemm_compute(spec: GemmSpec, m_pad: int = 1, n_pad: int = 1):
+    """Return the unscheduled PrimFunc ``main(A, B, [bias,] out)`` for ``spec``.
+
+    The reduction runs over a padded domain, M and N rounded up to ``m_pad`` / ``n_pad``
+    (the schedule's register tile), so that its inner loops carry no bounds check: padded
+    rows and columns read clamped (in-bounds) inputs, and "out" never stores them.
+    (``Schedule.pad_einsum`` would do this, but in TVM 0.27 it drops a non-constant
+    reduction init, i.e. the bias.)
+
+    Stages: "A_pad" / "B_pad" give the operands in the accumulation dtype on the padded
+    domain (the schedule inlines them or turns them into packed copies); "acc" is the
+    reduction, from zero; "out" adds the bias, applies the activation once to the final sum
+    and casts back to the input dtype.
+
+    Why the bias is not the reduction's init: TVM 0.27 drops a non-constant init in
+    ``compute_inline`` of a producer and ``pad_einsum``, and ``rfactor`` would add it to
+    every partial sum (all seen in our tests); one add per output in "out" costs nothing.
+    """
+    from tvm import te, tirx
+
+    acc = spec.acc_dtype
+    M = tirx.Var("M", "int64")
+    K = spec.k if spec.k is not None else tirx.Var("K", "int64")
+    N = spec.n
+    Mp = (M + m_pad - 1) // m_pad * m_pad
+    Np = (N + n_pad - 1) // n_pad * n_pad
+    A = te.placeholder((M, K), spec.dtype, name="A")
+    B = te.placeholder((K, N) if spec.b_layout == "kn" else (N, K), spec.dtype, name="B")
+    bias = te.placeholder((N,), spec.dtype, name="bias")
+
+    def row(i):  # padded row -> a real one (its result is discarded)
+        return te.min(i, M - 1) if m_pad > 1 else i
+
+    def col(j):
+        return te.min(j, N - 1) if Np != N else j
+
+    a_op = te.compute((Mp, K), lambda i, k: A[row(i), k].astype(acc), name="A_pad")
+    if spec.b_layout == "kn":
+        b_op = te.compute((K, Np), lambda k, j: B[k, col(j)].astype(acc), name="B_pad")
+    else:
+        b_op = te.compute((Np, K), lambda j, k: B[col(j), k].astype(acc), name="B_pad")
+
+    def b_at(k, j):
+        return b_op[k, j] if spec.b_layout == "kn" else b_op[j, k]
+
+    r = te.reduce_axis((0, K), name="k")
+    acc_t = te.compute((Mp, Np), lambda i, j: te.sum(a_op[i, r] * b_at(r, j), axis=r), name="acc")
+
+    def final(i, j):
+        if spec.bias:
+            return acc_t[i, j] + bias[j].astype(acc)
+        return acc_t[i, j]
+
+    out = te.compute(
+        (M, N),
+        lambda i, j: apply_activation(final(i, j), spec.activation, acc).astype(spec.dtype),
+        name="out",
+    )
+    args = [A, B] + ([bias] if spec.bias else []) + [out]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")

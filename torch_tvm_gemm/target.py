@@ -1,0 +1,67 @@
+"""What machine we compile for, decided without importing the TVM compiler.
+
+The cache key needs a name for the host CPU on every call, including in processes that only
+load cached kernels, so it is read from /proc/cpuinfo and `platform` rather than from LLVM.
+The LLVM target itself (``mcpu``) is only asked for when a kernel is actually built.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    model: str  # "model name" from /proc/cpuinfo, or "" where there is none
+    features: frozenset[str]
+
+    @property
+    def vector_bytes(self) -> int:
+        """Width of the widest SIMD register the schedules may use."""
+        if "avx512f" in self.features:
+            return 64
+        if "avx2" in self.features and "fma" in self.features:
+            return 32
+        return 16  # SSE / NEON
+
+    @property
+    def vector_registers(self) -> int:
+        return 32 if self.vector_bytes == 64 or self.arch == "aarch64" else 16
+
+    def key(self) -> str:
+        """A short stable name for the cache: architecture, SIMD level and a feature hash."""
+        digest = hashlib.sha256(
+            (self.model + "|" + " ".join(sorted(self.features))).encode()
+        ).hexdigest()[:10]
+        return f"{self.arch}-v{self.vector_bytes * 8}-{digest}"
+
+
+@functools.cache
+def host_cpu() -> CpuInfo:
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name == "model name" and not model:
+                    model = value.strip()
+                elif name in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: fall back to the architecture alone
+        pass
+    return CpuInfo(platform.machine(), model, frozenset(flags))
+
+
+def llvm_target_json() -> dict:
+    """The TVM target for this host (imports tvm: call only when building)."""
+    from tvm.target import codegen
+
+    target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
+    if host_cpu().arch == "aarch64":
+        target["mtriple"] = "aarch64-linux-gnu"
+    return target
