@@ -33,7 +33,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return torch.ops.tvm_gemm.matmul(a, b)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none") -> Tensor:
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
+) -> Tensor:
     """``act(x @ weight.T + bias)`` in one TVM kernel, like ``F.linear`` plus an activation.
 
     ``x`` is ``(..., K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)`` or None, ``activation`` one of

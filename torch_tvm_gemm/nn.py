@@ -34,7 +34,9 @@ class TVMLinear(nn.Linear):
         dtype=None,
     ) -> None:
         if activation not in ACTIVATIONS:
-            raise ValueError(f"TVMLinear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+            raise ValueError(
+                f"TVMLinear: activation must be one of {ACTIVATIONS}, got {activation!r}"
+            )
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.activation = activation
 
@@ -114,8 +116,11 @@ def unswap_linear(model: nn.Module) -> nn.Module:
     """Undo ``swap_linear``: TVMLinear back to ``nn.Linear``, fused activations restored."""
     for name, child in list(model.named_children()):
         if isinstance(child, TVMLinear):
-            setattr(model, name, child.to_linear() if not isinstance(model, nn.Sequential)
-                    else _plain(child))
+            setattr(
+                model,
+                name,
+                child.to_linear() if not isinstance(model, nn.Sequential) else _plain(child),
+            )
         elif isinstance(child, _Fused):
             setattr(model, name, child.original)
         else:

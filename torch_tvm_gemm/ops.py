@@ -37,14 +37,18 @@ _DTYPE_NAMES = {
 def _check_tensor(op: str, name: str, t: Tensor, ranks: tuple[int, ...]) -> None:
     torch._check_type(
         t.dtype in SUPPORTED_DTYPES,
-        lambda: f"tvm_gemm.{op}: argument '{name}' must be float32, float64, bfloat16 or "
-        f"float16, got {t.dtype}",
+        lambda: (
+            f"tvm_gemm.{op}: argument '{name}' must be float32, float64, bfloat16 or "
+            f"float16, got {t.dtype}"
+        ),
     )
     torch._check_value(
         t.dim() in ranks,
-        lambda: f"tvm_gemm.{op}: argument '{name}' must be "
-        f"{' or '.join(f'{r}-D' for r in ranks)}, got a {t.dim()}-D tensor of shape "
-        f"{tuple(t.shape)}",
+        lambda: (
+            f"tvm_gemm.{op}: argument '{name}' must be "
+            f"{' or '.join(f'{r}-D' for r in ranks)}, got a {t.dim()}-D tensor of shape "
+            f"{tuple(t.shape)}"
+        ),
     )
 
 
@@ -52,13 +56,17 @@ def _check_same(op: str, first: tuple[str, Tensor], other: tuple[str, Tensor]) -
     (n1, t1), (n2, t2) = first, other
     torch._check_type(
         t1.dtype == t2.dtype,
-        lambda: f"tvm_gemm.{op}: argument '{n2}' has dtype {t2.dtype} but '{n1}' has "
-        f"{t1.dtype}; mixed dtypes are not supported (convert one of them)",
+        lambda: (
+            f"tvm_gemm.{op}: argument '{n2}' has dtype {t2.dtype} but '{n1}' has "
+            f"{t1.dtype}; mixed dtypes are not supported (convert one of them)"
+        ),
     )
     torch._check(
         t1.device == t2.device,
-        lambda: f"tvm_gemm.{op}: argument '{n2}' is on {t2.device} but '{n1}' is on "
-        f"{t1.device}; all tensors must be on one device",
+        lambda: (
+            f"tvm_gemm.{op}: argument '{n2}' is on {t2.device} but '{n1}' is on "
+            f"{t1.device}; all tensors must be on one device"
+        ),
     )
 
 
@@ -69,8 +77,10 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
     _check_same("matmul", ("a", a), ("b", b))
     torch._check_value(
         a.shape[-1] == b.shape[-2],
-        lambda: f"tvm_gemm.matmul: inner dims differ: a is {tuple(a.shape)}, b is "
-        f"{tuple(b.shape)} (a.shape[-1] must equal b.shape[-2])",
+        lambda: (
+            f"tvm_gemm.matmul: inner dims differ: a is {tuple(a.shape)}, b is "
+            f"{tuple(b.shape)} (a.shape[-1] must equal b.shape[-2])"
+        ),
     )
     m, n = a.shape[-2], b.shape[-1]
     if a.dim() == 2 and b.dim() == 2:
@@ -81,8 +91,10 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
     bb = b.shape[0]
     torch._check_value(
         ba == bb or ba == 1 or bb == 1,
-        lambda: f"tvm_gemm.matmul: batch dims of a {tuple(a.shape)} and b {tuple(b.shape)} "
-        "cannot be broadcast",
+        lambda: (
+            f"tvm_gemm.matmul: batch dims of a {tuple(a.shape)} and b {tuple(b.shape)} "
+            "cannot be broadcast"
+        ),
     )
     return [bb if ba == 1 else ba, m, n]
 
@@ -91,24 +103,30 @@ def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
     """Validate ``linear(x, weight, bias, activation)``; return the output shape."""
     torch._check_value(
         activation in ACTIVATIONS,
-        lambda: f"tvm_gemm.linear: argument 'activation' must be one of {ACTIVATIONS}, "
-        f"got {activation!r}",
+        lambda: (
+            f"tvm_gemm.linear: argument 'activation' must be one of {ACTIVATIONS}, "
+            f"got {activation!r}"
+        ),
     )
     _check_tensor("linear", "x", x, tuple(range(1, 9)))
     _check_tensor("linear", "weight", weight, (2,))
     _check_same("linear", ("x", x), ("weight", weight))
     torch._check_value(
         x.shape[-1] == weight.shape[1],
-        lambda: f"tvm_gemm.linear: x has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
-        f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)} = (out, in))",
+        lambda: (
+            f"tvm_gemm.linear: x has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
+            f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)} = (out, in))"
+        ),
     )
     if bias is not None:
         _check_tensor("linear", "bias", bias, (1,))
         _check_same("linear", ("x", x), ("bias", bias))
         torch._check_value(
             bias.shape[0] == weight.shape[0],
-            lambda: f"tvm_gemm.linear: argument 'bias' must have shape ({weight.shape[0]},) "
-            f"to match weight {tuple(weight.shape)}, got {tuple(bias.shape)}",
+            lambda: (
+                f"tvm_gemm.linear: argument 'bias' must have shape ({weight.shape[0]},) "
+                f"to match weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
+            ),
         )
     return [*x.shape[:-1], weight.shape[0]]
 
@@ -187,7 +205,9 @@ def _matmul_impl(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-def _linear_impl(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+def _linear_impl(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
+) -> Tensor:
     shape = check_linear(x, weight, bias, activation)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     return gemm(x2, weight, "nk", bias, activation).reshape(shape)
@@ -207,7 +227,9 @@ def _matmul_fake(a: Tensor, b: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("tvm_gemm::linear")
-def _linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+def _linear_fake(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
+) -> Tensor:
     return x.new_empty(check_linear(x, weight, bias, activation))
 
 
@@ -237,9 +259,7 @@ def _matmul_backward(ctx, grad: Tensor):
     return grad_a, grad_b
 
 
-torch.library.register_autograd(
-    "tvm_gemm::matmul", _matmul_backward, setup_context=_matmul_setup
-)
+torch.library.register_autograd("tvm_gemm::matmul", _matmul_backward, setup_context=_matmul_setup)
 
 
 def _gelu_grad(z: Tensor) -> Tensor:
@@ -250,7 +270,8 @@ def _gelu_grad(z: Tensor) -> Tensor:
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    x, weight, bias, activation = inputs
+    # Trailing arguments equal to their defaults may be left out by the dispatcher.
+    x, weight, bias, activation = (list(inputs) + [None, "none"][len(inputs) - 2 :])[:4]
     ctx.activation = activation
     ctx.has_bias = bias is not None
     # relu's derivative needs only the output; gelu's needs the pre-activation, recomputed
@@ -283,6 +304,4 @@ def _linear_backward(ctx, grad: Tensor):
     return grad_x, grad_w, grad_b, None
 
 
-torch.library.register_autograd(
-    "tvm_gemm::linear", _linear_backward, setup_context=_linear_setup
-)
+torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_context=_linear_setup)

@@ -47,7 +47,9 @@ class GemmSpec:
 
     def name(self) -> str:
         k = "K" if self.k is None else self.k
-        epi = ("_bias" if self.bias else "") + ("" if self.activation == "none" else "_" + self.activation)
+        epi = ("_bias" if self.bias else "") + (
+            "" if self.activation == "none" else "_" + self.activation
+        )
         return f"gemm_{self.variant}_{self.dtype}_{self.b_layout}_n{self.n}_k{k}{epi}"
 
 
@@ -61,7 +63,9 @@ def apply_activation(x, activation: str, dtype: str):
         return tirx.max(x, tirx.const(0, dtype))
     if activation == "gelu":  # exact erf form, as torch.nn.functional.gelu
         half = tirx.const(0.5, dtype)
-        return half * x * (tirx.const(1, dtype) + tirx.erf(x * tirx.const(0.7071067811865476, dtype)))
+        return (
+            half * x * (tirx.const(1, dtype) + tirx.erf(x * tirx.const(0.7071067811865476, dtype)))
+        )
     raise ValueError(f"unknown activation {activation!r}")
 
 
@@ -86,11 +90,12 @@ def gemm_compute(spec: GemmSpec, m_pad: int = 1, n_pad: int = 1):
     from tvm import te, tirx
 
     acc = spec.acc_dtype
+    # All dims int64: a symbolic K is int64, and TVM refuses index maps mixing widths.
     M = tirx.Var("M", "int64")
-    K = spec.k if spec.k is not None else tirx.Var("K", "int64")
-    N = spec.n
+    K = tirx.const(spec.k, "int64") if spec.k is not None else tirx.Var("K", "int64")
+    N = tirx.const(spec.n, "int64")
     Mp = (M + m_pad - 1) // m_pad * m_pad
-    Np = (N + n_pad - 1) // n_pad * n_pad
+    Np = tirx.const((spec.n + n_pad - 1) // n_pad * n_pad, "int64")
     A = te.placeholder((M, K), spec.dtype, name="A")
     B = te.placeholder((K, N) if spec.b_layout == "kn" else (N, K), spec.dtype, name="B")
     bias = te.placeholder((N,), spec.dtype, name="bias")
@@ -99,7 +104,7 @@ def gemm_compute(spec: GemmSpec, m_pad: int = 1, n_pad: int = 1):
         return te.min(i, M - 1) if m_pad > 1 else i
 
     def col(j):
-        return te.min(j, N - 1) if Np != N else j
+        return te.min(j, N - 1) if Np.value != N.value else j
 
     a_op = te.compute((Mp, K), lambda i, k: A[row(i), k].astype(acc), name="A_pad")
     if spec.b_layout == "kn":
