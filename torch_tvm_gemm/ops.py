@@ -185,6 +185,11 @@ def gemm(
     return out
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as a 2-D (rows, last dim) matrix (reshape(-1, 0) is ambiguous when empty)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     # A transposed contiguous b (b = w.T, as in a Linear backward) is read in place as "nk".
     if not b.is_contiguous() and b.t().is_contiguous():
@@ -195,7 +200,7 @@ def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
 def _matmul_impl(a: Tensor, b: Tensor) -> Tensor:
     shape = check_matmul(a, b)
     if b.dim() == 2:  # (.., M, K) @ (K, N): one GEMM over all rows
-        return _matmul_2d(a.reshape(-1, a.shape[-1]), b).reshape(shape)
+        return _matmul_2d(_rows(a), b).reshape(shape)
     batch, m, n = shape
     a3 = a.expand(batch, m, a.shape[-1])
     b3 = b.expand(batch, *b.shape[-2:])
@@ -209,8 +214,7 @@ def _linear_impl(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
 ) -> Tensor:
     shape = check_linear(x, weight, bias, activation)
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    return gemm(x2, weight, "nk", bias, activation).reshape(shape)
+    return gemm(_rows(x), weight, "nk", bias, activation).reshape(shape)
 
 
 for _key in ("CPU",):
@@ -252,8 +256,7 @@ def _matmul_backward(ctx, grad: Tensor):
         grad_a = mm(grad, b.transpose(-1, -2)).sum_to_size(ctx.a_shape)
     if ctx.needs_input_grad[1]:  # dB = A^T @ dC
         if len(ctx.b_shape) == 2:  # shared B: one GEMM over all rows of the batch
-            k, n = ctx.b_shape
-            grad_b = mm(a.reshape(-1, k).t(), grad.reshape(-1, n))
+            grad_b = mm(_rows(a).t(), _rows(grad))
         else:
             grad_b = mm(a.transpose(-1, -2), grad).sum_to_size(ctx.b_shape)
     return grad_a, grad_b
@@ -291,14 +294,13 @@ def _linear_backward(ctx, grad: Tensor):
     elif ctx.activation == "gelu":
         z = torch.ops.tvm_gemm.linear(x, weight, bias, "none")
         grad = grad * _gelu_grad(z)
-    n, k = weight.shape
-    grad2 = grad.reshape(-1, n)
+    grad2 = _rows(grad)
     mm = torch.ops.tvm_gemm.matmul
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:  # dX = dZ @ W
         grad_x = mm(grad2, weight).reshape(x.shape)
     if ctx.needs_input_grad[1]:  # dW = dZ^T @ X
-        grad_w = mm(grad2.t(), x.reshape(-1, k))
+        grad_w = mm(grad2.t(), _rows(x))
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = grad2.sum(0)
     return grad_x, grad_w, grad_b, None
