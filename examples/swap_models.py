@@ -43,15 +43,24 @@ def train(model: nn.Module, x: torch.Tensor, target: torch.Tensor, steps: int = 
 
 def main() -> dict:
     torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
-    encoder = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    mlp = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10)
+    )
+    encoder = nn.TransformerEncoderLayer(
+        d_model=64, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True
+    )
     x_mlp, x_seq = torch.randn(32, 64), torch.randn(4, 12, 64)
 
-    diffs = {"mlp": check_swap("MLP", mlp, x_mlp), "encoder": check_swap("TransformerEncoderLayer", encoder, x_seq)}
+    diffs = {
+        "mlp": check_swap("MLP", mlp, x_mlp),
+        "encoder": check_swap("TransformerEncoderLayer", encoder, x_seq),
+    }
 
     tg.swap_linear(mlp)
     losses = train(mlp, x_mlp, torch.randn(32, 10))
-    print(f"MLP training with TVM linears: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")
+    print(
+        f"MLP training with TVM linears: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps"
+    )
     tg.swap_linear(encoder)
     enc_losses = train(encoder, x_seq, torch.randn(4, 12, 64))
     print(f"encoder training with TVM linears: loss {enc_losses[0]:.4f} -> {enc_losses[-1]:.4f}")

@@ -9,8 +9,17 @@ from conftest import DTYPES, assert_close, randn
 
 import torch_tvm_gemm as tg
 
-MATMUL_CASES = [((7, 33), (33, 5)), ((3, 7, 33), (33, 5)), ((2, 5, 9), (2, 9, 4)), ((1, 5, 9), (3, 9, 4))]
-LINEAR_CASES = [((7, 33), (5, 33), True, "relu"), ((2, 3, 9), (4, 9), False, "gelu"), ((17, 9), (4, 9), True, "none")]
+MATMUL_CASES = [
+    ((7, 33), (33, 5)),
+    ((3, 7, 33), (33, 5)),
+    ((2, 5, 9), (2, 9, 4)),
+    ((1, 5, 9), (3, 9, 4)),
+]
+LINEAR_CASES = [
+    ((7, 33), (5, 33), True, "relu"),
+    ((2, 3, 9), (4, 9), False, "gelu"),
+    ((17, 9), (4, 9), True, "none"),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -53,7 +62,7 @@ def test_grads_match_torch_float32():
     for t in (x, w, b):
         t.grad = None
     F.gelu(F.linear(x, w, b)).square().sum().backward()
-    for got, t in zip(grads, (x, w, b)):
+    for got, t in zip(grads, (x, w, b), strict=True):
         assert_close(got, t.grad, 33)
 
 

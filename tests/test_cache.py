@@ -35,7 +35,11 @@ CHILD = textwrap.dedent(
 def run_child(cache_dir: Path, **env) -> subprocess.Popen:
     full_env = {**os.environ, "TVM_GEMM_CACHE_DIR": str(cache_dir), **env}
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -120,11 +124,16 @@ def test_key_changes_with_what_changes_the_binary():
 
 
 def test_threads_follow_torch():
+    import tvm_ffi
+
+    runtime.ensure_runtime()
+    tvm_threads = tvm_ffi.get_global_func("runtime.NumThreads")
     before = torch.get_num_threads()
+    a = torch.randn(64, 64)
     try:
-        torch.set_num_threads(1)
-        runtime.sync_threads()
-        assert runtime._threads == 1
+        for n in sorted({1, len(os.sched_getaffinity(0))}):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(torch.ops.tvm_gemm.matmul(a, a), a @ a)
+            assert tvm_threads() == n
     finally:
         torch.set_num_threads(before)
-        runtime.sync_threads()

@@ -20,3 +20,15 @@ def test_swap_models_example():
     assert result["diffs"]["mlp"] < 1e-4 and result["diffs"]["encoder"] < 1e-4
     assert result["losses"][-1] < 0.7 * result["losses"][0]
     assert result["encoder_losses"][-1] < result["encoder_losses"][0]
+
+
+def test_cli_demo_and_quick_bench(tmp_path):
+    from torch_tvm_gemm.__main__ import main
+
+    assert main(["demo"]) == 0
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--repeats", "2", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 and all(r["ratio"] > 0 for r in rows)

@@ -75,7 +75,11 @@ def test_linear_empty(m, k, n, act):
         ((torch.ones(3, 4), torch.ones(2, 5, 4)), ValueError, ["'weight'", "3-D"]),
         ((torch.ones(3, 4), torch.ones(5, 4).half()), TypeError, ["'weight'", "mixed"]),
         ((torch.ones(3, 4), torch.ones(5, 4), torch.ones(5).double()), TypeError, ["'bias'"]),
-        ((torch.ones(3, 4, dtype=torch.int64), torch.ones(5, 4, dtype=torch.int64)), TypeError, ["'x'", "int64"]),
+        (
+            (torch.ones(3, 4, dtype=torch.int64), torch.ones(5, 4, dtype=torch.int64)),
+            TypeError,
+            ["'x'", "int64"],
+        ),
         ((torch.ones(3, 4, device="meta"), torch.ones(5, 4)), RuntimeError, ["'weight'", "device"]),
     ],
 )

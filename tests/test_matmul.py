@@ -64,9 +64,19 @@ def test_matmul_empty(m, k, n):
 @pytest.mark.parametrize(
     "a,b,exc,words",
     [
-        (torch.ones(3, 4, dtype=torch.int32), torch.ones(4, 2, dtype=torch.int32), TypeError, ["'a'", "int32"]),
+        (
+            torch.ones(3, 4, dtype=torch.int32),
+            torch.ones(4, 2, dtype=torch.int32),
+            TypeError,
+            ["'a'", "int32"],
+        ),
         (torch.ones(3, 4, dtype=torch.bool), torch.ones(4, 2), TypeError, ["'a'", "bool"]),
-        (torch.ones(3, 4, dtype=torch.complex64), torch.ones(4, 2), TypeError, ["'a'", "complex64"]),
+        (
+            torch.ones(3, 4, dtype=torch.complex64),
+            torch.ones(4, 2),
+            TypeError,
+            ["'a'", "complex64"],
+        ),
         (torch.ones(3, 4), torch.ones(4, 2, dtype=torch.float64), TypeError, ["'b'", "mixed"]),
         (torch.ones(3, 4), torch.ones(5, 2), ValueError, ["inner dims", "(3, 4)", "(5, 2)"]),
         (torch.ones(4), torch.ones(4, 2), ValueError, ["'a'", "1-D"]),

@@ -14,7 +14,12 @@ from torch_tvm_gemm import TVMLinear
 def mlp():
     torch.manual_seed(1)
     return nn.Sequential(
-        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8), nn.GELU("tanh")
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.GELU(),
+        nn.Linear(32, 8),
+        nn.GELU("tanh"),
     )
 
 
@@ -22,8 +27,19 @@ def test_swap_matches_original_and_fuses_activations():
     model, x = mlp(), randn(5, 16)
     ref = model(x)
     tg.swap_linear(model)
-    assert [type(m).__name__ for m in model] == ["TVMLinear", "_Fused", "TVMLinear", "_Fused", "TVMLinear", "GELU"]
-    assert [model[i].activation for i in (0, 2, 4)] == ["relu", "gelu", "none"]  # tanh-GELU not fused
+    assert [type(m).__name__ for m in model] == [
+        "TVMLinear",
+        "_Fused",
+        "TVMLinear",
+        "_Fused",
+        "TVMLinear",
+        "GELU",
+    ]
+    assert [model[i].activation for i in (0, 2, 4)] == [
+        "relu",
+        "gelu",
+        "none",
+    ]  # tanh-GELU not fused
     assert_close(model(x), ref, 32)
 
 

@@ -74,7 +74,11 @@ def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict
         tvm_fn, torch_fn = (lambda: tg.matmul(a, b)), (lambda: torch.matmul(a, b))
         ref = "torch.matmul"
     else:
-        x, w, bias = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+        x, w, bias = (
+            torch.randn(m, k).to(dtype),
+            torch.randn(n, k).to(dtype),
+            torch.randn(n).to(dtype),
+        )
         tvm_fn = lambda: tg.linear(x, w, bias, "relu")  # noqa: E731
         torch_fn = lambda: F.relu(F.linear(x, w, bias))  # noqa: E731
         ref = "F.relu(F.linear)"
@@ -85,9 +89,16 @@ def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict
     reps = repeats or max(3, min(200, int(2e9 / flops)))
     t_tvm, t_torch = _pair(tvm_fn, torch_fn, reps)
     return {
-        "op": op, "dtype": dtype_name, "M": m, "N": n, "K": k, "reference": ref,
-        "tvm_gflops": flops / t_tvm / 1e9, "torch_gflops": flops / t_torch / 1e9,
-        "ratio": t_torch / t_tvm, "first_call_s": first_call,
+        "op": op,
+        "dtype": dtype_name,
+        "M": m,
+        "N": n,
+        "K": k,
+        "reference": ref,
+        "tvm_gflops": flops / t_tvm / 1e9,
+        "torch_gflops": flops / t_torch / 1e9,
+        "ratio": t_torch / t_tvm,
+        "first_call_s": first_call,
     }
 
 
@@ -105,8 +116,11 @@ def _build_and_warm_start() -> dict:
         cmd = [sys.executable, "-c", WARM_START]
         cold = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         warm = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        meta = [json.load(open(os.path.join(cache, "kernels", f)))
-                for f in os.listdir(os.path.join(cache, "kernels")) if f.endswith(".json")]
+        meta = [
+            json.load(open(os.path.join(cache, "kernels", f)))
+            for f in os.listdir(os.path.join(cache, "kernels"))
+            if f.endswith(".json")
+        ]
     cold_s, _, _ = cold.stdout.split()
     warm_s, warm_with_torch_s, tvm_imported = warm.stdout.split()
     return {
@@ -124,20 +138,27 @@ def run(args) -> int:
     from torch_tvm_gemm.target import host_cpu
 
     cpu = host_cpu()
-    print(f"CPU: {cpu.model or cpu.arch} ({cpu.vector_bytes * 8}-bit SIMD), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"CPU: {cpu.model or cpu.arch} ({cpu.vector_bytes * 8}-bit SIMD), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     rows = []
     header = f"{'op':<12} {'dtype':<9} {'M':>5} {'N':>5} {'K':>5} {'TVM GF/s':>9} {'torch GF/s':>10} {'ratio':>6}"
     print(header)
     for op, dtype, m, n, k in QUICK_ROWS if args.quick else FULL_ROWS:
         r = _row(op, dtype, m, n, k, args.repeats)
         rows.append(r)
-        print(f"{op:<12} {dtype:<9} {m:>5} {n:>5} {k:>5} {r['tvm_gflops']:>9.1f} "
-              f"{r['torch_gflops']:>10.1f} {r['ratio']:>5.2f}x", flush=True)
+        print(
+            f"{op:<12} {dtype:<9} {m:>5} {n:>5} {k:>5} {r['tvm_gflops']:>9.1f} "
+            f"{r['torch_gflops']:>10.1f} {r['ratio']:>5.2f}x",
+            flush=True,
+        )
     startup = _build_and_warm_start()
-    print(f"first build of one kernel: {startup['build_seconds']:.2f} s; new process on a warm "
-          f"cache: import torch_tvm_gemm + first call {startup['warm_import_and_first_call_s']:.2f} s "
-          f"(compiler imported: {startup['warm_imported_tvm_compiler']})")
+    print(
+        f"first build of one kernel: {startup['build_seconds']:.2f} s; new process on a warm "
+        f"cache: import torch_tvm_gemm + first call {startup['warm_import_and_first_call_s']:.2f} s "
+        f"(compiler imported: {startup['warm_imported_tvm_compiler']})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu.model, "rows": rows, "startup": startup}, f, indent=1)
