@@ -8,6 +8,7 @@ the op, the argument and what was expected.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -34,16 +35,32 @@ _DTYPE_NAMES = {
 # --- validation (shared by fake and real kernels) -------------------------------------------
 
 
+def _require(cond, exc: type[Exception], message: Callable[[], str]) -> None:
+    """Raise ``exc(message())`` unless ``cond``.
+
+    A plain bool (real tensors) is tested directly, the hot path; a SymBool (fake tensors
+    under torch.compile with dynamic shapes) goes through ``torch._check_with``, which
+    records it as a runtime assertion instead of specialising the graph.
+    """
+    if cond is True:
+        return
+    if cond is False:
+        raise exc(message())
+    torch._check_with(exc, cond, message)
+
+
 def _check_tensor(op: str, name: str, t: Tensor, ranks: tuple[int, ...]) -> None:
-    torch._check_type(
+    _require(
         t.dtype in SUPPORTED_DTYPES,
+        TypeError,
         lambda: (
             f"tvm_gemm.{op}: argument '{name}' must be float32, float64, bfloat16 or "
             f"float16, got {t.dtype}"
         ),
     )
-    torch._check_value(
+    _require(
         t.dim() in ranks,
+        ValueError,
         lambda: (
             f"tvm_gemm.{op}: argument '{name}' must be "
             f"{' or '.join(f'{r}-D' for r in ranks)}, got a {t.dim()}-D tensor of shape "
@@ -54,15 +71,17 @@ def _check_tensor(op: str, name: str, t: Tensor, ranks: tuple[int, ...]) -> None
 
 def _check_same(op: str, first: tuple[str, Tensor], other: tuple[str, Tensor]) -> None:
     (n1, t1), (n2, t2) = first, other
-    torch._check_type(
+    _require(
         t1.dtype == t2.dtype,
+        TypeError,
         lambda: (
             f"tvm_gemm.{op}: argument '{n2}' has dtype {t2.dtype} but '{n1}' has "
             f"{t1.dtype}; mixed dtypes are not supported (convert one of them)"
         ),
     )
-    torch._check(
+    _require(
         t1.device == t2.device,
+        RuntimeError,
         lambda: (
             f"tvm_gemm.{op}: argument '{n2}' is on {t2.device} but '{n1}' is on "
             f"{t1.device}; all tensors must be on one device"
@@ -75,8 +94,9 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
     _check_tensor("matmul", "a", a, (2, 3))
     _check_tensor("matmul", "b", b, (2, 3))
     _check_same("matmul", ("a", a), ("b", b))
-    torch._check_value(
+    _require(
         a.shape[-1] == b.shape[-2],
+        ValueError,
         lambda: (
             f"tvm_gemm.matmul: inner dims differ: a is {tuple(a.shape)}, b is "
             f"{tuple(b.shape)} (a.shape[-1] must equal b.shape[-2])"
@@ -89,8 +109,9 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
         return [a.shape[0], m, n]
     ba = a.shape[0] if a.dim() == 3 else 1
     bb = b.shape[0]
-    torch._check_value(
+    _require(
         ba == bb or ba == 1 or bb == 1,
+        ValueError,
         lambda: (
             f"tvm_gemm.matmul: batch dims of a {tuple(a.shape)} and b {tuple(b.shape)} "
             "cannot be broadcast"
@@ -101,8 +122,9 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
 
 def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> list[int]:
     """Validate ``linear(x, weight, bias, activation)``; return the output shape."""
-    torch._check_value(
+    _require(
         activation in ACTIVATIONS,
+        ValueError,
         lambda: (
             f"tvm_gemm.linear: argument 'activation' must be one of {ACTIVATIONS}, "
             f"got {activation!r}"
@@ -111,8 +133,9 @@ def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
     _check_tensor("linear", "x", x, tuple(range(1, 9)))
     _check_tensor("linear", "weight", weight, (2,))
     _check_same("linear", ("x", x), ("weight", weight))
-    torch._check_value(
+    _require(
         x.shape[-1] == weight.shape[1],
+        ValueError,
         lambda: (
             f"tvm_gemm.linear: x has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
             f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)} = (out, in))"
@@ -121,8 +144,9 @@ def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
     if bias is not None:
         _check_tensor("linear", "bias", bias, (1,))
         _check_same("linear", ("x", x), ("bias", bias))
-        torch._check_value(
+        _require(
             bias.shape[0] == weight.shape[0],
+            ValueError,
             lambda: (
                 f"tvm_gemm.linear: argument 'bias' must have shape ({weight.shape[0]},) "
                 f"to match weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
@@ -142,6 +166,10 @@ _ACT_FN: dict[str, Callable[[Tensor], Tensor]] = {
 
 def _device_name(t: Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu"
+
+
+# Interned specs: a call reuses the spec object rather than building and validating a new one.
+_spec = functools.lru_cache(maxsize=4096)(GemmSpec)
 
 
 def gemm(
@@ -166,15 +194,15 @@ def gemm(
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
         zero = bias.expand(m, n) if bias is not None else torch.zeros_like(out)
         return out.copy_(_ACT_FN[activation](zero))
-    spec = GemmSpec(
-        dtype=_DTYPE_NAMES[a.dtype],
-        n=n,
-        k=k if static_k else None,
-        b_layout=b_layout,
-        bias=bias is not None,
-        activation=activation,
-        variant="gemv" if m <= GEMV_MAX_M else "gemm",
-        device=_device_name(a),
+    spec = _spec(
+        _DTYPE_NAMES[a.dtype],
+        n,
+        k if static_k else None,
+        b_layout,
+        bias is not None,
+        activation,
+        "gemv" if m <= GEMV_MAX_M else "gemm",
+        _device_name(a),
     )
     kernel = get_kernel(spec)
     sync_threads()
