@@ -13,33 +13,9 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 import torch_tvm_gemm as tg
-
-
-def small_cnn() -> nn.Module:
-    def block(cin: int, cout: int) -> list[nn.Module]:
-        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
-
-    model = nn.Sequential(
-        *block(3, 16),
-        nn.MaxPool2d(2),
-        *block(16, 32),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(64, 10),
-    )
-    # Non-trivial BN statistics, as after training.
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            with torch.no_grad():
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-    return model.eval()
+from torch_tvm_gemm.cli.bench_conv import small_cnn
 
 
 def time_per_call(fn, x: torch.Tensor, reps: int = 10) -> float:
