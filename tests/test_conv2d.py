@@ -174,3 +174,18 @@ def test_torch_compile_fullgraph():
     ref.backward()
     assert_close(loss.detach(), ref.detach(), k=27 * 162)
     assert_close(w.grad, w_ref.grad, k=162)
+
+
+def test_packed_weight_follows_updates():
+    """The packed-weight cache sees in-place updates, .data swaps and new tensors."""
+    x, w, b = randn(2, 16, 8, 8), randn(32, 16, 3, 3), randn(32)
+    assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, 1, 1), k=144)
+    w.mul_(-0.5)  # in place: bumps the version
+    assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, 1, 1), k=144)
+    p = torch.nn.Parameter(w.clone())
+    assert_close(op(x, p, b, [1, 1], [1, 1]), reference(x, p, b, 1, 1), k=144)
+    p.data = randn(32, 16, 3, 3)  # new storage, same object
+    assert_close(op(x, p, b, [1, 1], [1, 1]), reference(x, p.detach(), b, 1, 1), k=144)
+    with torch.inference_mode():
+        wi = randn(32, 16, 3, 3)
+        assert_close(op(x, wi, b, [1, 1], [1, 1]), reference(x, wi, b, 1, 1), k=144)

@@ -311,7 +311,10 @@ torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_cont
 # One section for the conv op (schema, validation, CPU impl, fake kernel, autograd), kept
 # together so that it merges apart from the GEMM ops above.
 
-from .kernels.conv2d import Conv2dSpec  # noqa: E402
+import weakref  # noqa: E402
+
+from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
+from .schedules.cpu_conv2d import weight_block  # noqa: E402
 
 LIB.define(
     "conv2d_bias_relu(Tensor x, Tensor weight, Tensor? bias, int[2] stride=1, "
@@ -432,11 +435,36 @@ def _conv2d_impl(
     )
     kernel = get_kernel(spec)
     sync_threads()
-    args = [x.contiguous(), weight.contiguous()]
+    kb = weight_block(spec)
+    w_arg = weight.contiguous() if kb is None else _packed_weight(weight, kb, spec.acc_dtype)
+    args = [x.contiguous(), w_arg]
     if bias is not None:
         args.append(bias.contiguous())
     kernel(*args, out)
     return out
+
+
+# id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
+# used only while the weight is the same object with the same storage and version (an
+# in-place update, e.g. an optimizer step, bumps the version), and dropped with the weight.
+_PACKED: dict[int, tuple] = {}
+
+
+def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
+    """``weight`` in the blocked kernels' layout, packed once and reused while unchanged."""
+    dtype = getattr(torch, acc_dtype)
+    try:
+        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), kb, dtype)
+    except RuntimeError:  # an inference tensor has no version counter: pack every time
+        return pack_weight(weight, kb, dtype)
+    key = id(weight)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == ident:
+        return hit[2]
+    packed = pack_weight(weight, kb, dtype)
+    ref = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
+    _PACKED[key] = (ref, ident, packed)
+    return packed
 
 
 LIB.impl(_CONV, _conv2d_impl, "CPU")

@@ -2,7 +2,7 @@
 
 "blocked" (groups == 1, or each group a whole number of channel blocks): a direct
 convolution, no im2col. A block of ``kb = nvec * VEC`` output channels is computed together:
-the weight is packed so that, for one (c, r, s), those ``kb`` weights are ``nvec``
+the weight comes packed (by ops.py, cached per weight) so that, for one (c, r, s), those ``kb`` weights are ``nvec``
 contiguous vectors, and a tile of ``wt`` output positions along the width keeps
 ``wt * nvec`` accumulator vectors in registers for the whole (c, r, s) reduction. Per step:
 ``nvec`` vector loads of weights, ``wt`` broadcasts of input values (an AVX-512 FMA takes the
@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 1  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 2  # bump when a schedule changes the binary: it is part of the cache key
 
 
 def _vec(spec: Conv2dSpec, cpu: CpuInfo) -> int:
@@ -53,6 +53,14 @@ def blocked_tile(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int] | None:
             if score > best_score + 1e-9:
                 best, best_score = (wt, nvec), score
     return best
+
+
+def weight_block(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> int | None:
+    """The packed weight's channel block ``kb`` the kernel for ``spec`` takes, or None when
+    it takes the plain ``(K, C/groups, R, S)`` weight ("direct")."""
+    cpu = cpu or host_cpu()
+    tile = blocked_tile(spec, cpu)
+    return None if tile is None else tile[1] * _vec(spec, cpu)
 
 
 def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
@@ -92,9 +100,8 @@ def _schedule_x_pad(sch, spec: Conv2dSpec, ow_tile: int) -> None:
 
 
 def _schedule_blocked(sch, spec: Conv2dSpec, wt: int, vec: int) -> None:
-    acc, out, w_pack = sch.get_sblock("acc"), sch.get_sblock("out"), sch.get_sblock("w_pack")
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     _schedule_x_pad(sch, spec, wt)
-    sch.parallel(sch.get_loops(w_pack)[0])
 
     b, ko, i, j, ki, rc, rr, rs = sch.get_loops(acc)
     jo, ji = sch.split(j, [None, wt])
