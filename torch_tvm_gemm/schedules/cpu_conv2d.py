@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 2  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 3  # bump when a schedule changes the binary: it is part of the cache key
 
 
 def _vec(spec: Conv2dSpec, cpu: CpuInfo) -> int:
@@ -114,6 +114,24 @@ def _schedule_blocked(sch, spec: Conv2dSpec, wt: int, vec: int) -> None:
     sch.unroll(kio)
     sch.vectorize(kii)
     sch.decompose_reduction(acc, rc)
+    _schedule_epilogue(sch, out)
+
+
+def _schedule_epilogue(sch, out) -> None:
+    """Fully unroll the write-back of a (kb x wt) tile.
+
+    The accumulators are vectors along channels, ``out`` is contiguous along the width: the
+    write-back is a transpose. Unrolled, LLVM keeps the accumulators in registers and
+    extracts lanes; as a loop it spilled them and re-computed indices per element, which
+    cost ~16 cycles per output and made convs with small C*R*S 2-5x slower (measured:
+    16->32 channels 3x3 at 32x32, 39 -> 195 GFLOPS).
+    """
+    from tvm import tirx
+
+    for loop in sch.get_loops(out)[-2:]:
+        # A clipped tile (K smaller than a block) can have a non-constant extent.
+        if isinstance(sch.get(loop).extent, tirx.IntImm):
+            sch.unroll(loop)
 
 
 def _schedule_direct(sch, spec: Conv2dSpec, vec: int) -> None:
