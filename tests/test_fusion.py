@@ -226,3 +226,21 @@ def test_example_runs():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     assert example.main(timing=False) == 0
+
+
+def test_fused_graph_under_torch_compile():
+    model = ConvAct(nn.ReLU()).eval()
+    x = randn(2, 3, 10, 9)
+    gm, _ = tg.fuse_conv_bias_relu(model)
+    compiled = torch.compile(gm, fullgraph=True, backend="aot_eager")
+    assert_close(compiled(x), model(x), k=27)
+
+
+def test_bench_conv_cli_runs(tmp_path):
+    """The benchmark's command line works (a smoke test: one shape, one call, no timing)."""
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench-conv", "--quick", "--batch", "1", "--reps", "1", "--rounds", "1"]
+    assert main([*args, "--no-cnn", "--json", str(out)]) == 0
+    assert out.exists()
