@@ -33,7 +33,7 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=None, help="torch and TVM threads")
     p.add_argument("--reps", type=int, default=5, help="calls per timing round")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds (best is kept)")
+    p.add_argument("--rounds", type=int, default=7, help="timing rounds (best is kept)")
     p.add_argument("--quick", action="store_true", help="only the 3x3 layers")
     p.add_argument("--no-cnn", action="store_true", help="skip the small-CNN timing")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
