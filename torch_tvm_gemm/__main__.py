@@ -15,6 +15,7 @@ import sys
 COMMAND_MODULES = [
     "torch_tvm_gemm.cli.demo",
     "torch_tvm_gemm.cli.bench",
+    "torch_tvm_gemm.cli.bench_conv",
 ]
 
 

@@ -335,3 +335,226 @@ def _linear_backward(ctx, grad: Tensor):
 
 
 torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_context=_linear_setup)
+
+
+# --- conv2d + bias + relu -------------------------------------------------------------------
+# One section for the conv op (schema, validation, CPU impl, fake kernel, autograd), kept
+# together so that it merges apart from the GEMM ops above.
+
+import weakref  # noqa: E402
+
+from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
+from .schedules.cpu_conv2d import weight_block  # noqa: E402
+
+LIB.define(
+    "conv2d_bias_relu(Tensor x, Tensor weight, Tensor? bias, int[2] stride=1, "
+    "int[2] padding=0, int[2] dilation=1, int groups=1, bool relu=True) -> Tensor"
+)
+
+_CONV = "conv2d_bias_relu"
+
+
+def _pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
+    """``value`` (an int or a sequence of 2 ints) as a pair, each at least ``minimum``."""
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    torch._check_value(
+        len(pair) == 2 and all(isinstance(v, int) and v >= minimum for v in pair),
+        lambda: (
+            f"tvm_gemm.{op}: argument '{name}' must be an int or 2 ints, each >= {minimum}, "
+            f"got {value}"
+        ),
+    )
+    return pair
+
+
+def check_conv2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+) -> list[int]:
+    """Validate ``conv2d_bias_relu``; return the output shape ``[N, K, OH, OW]``."""
+    op = _CONV
+    _check_tensor(op, "x", x, (4,))
+    _check_tensor(op, "weight", weight, (4,))
+    _check_same(op, ("x", x), ("weight", weight))
+    stride = _pair(op, "stride", stride, 1)
+    padding = _pair(op, "padding", padding, 0)
+    dilation = _pair(op, "dilation", dilation, 1)
+    k, cg, r, s = weight.shape
+    torch._check_value(
+        isinstance(groups, int) and groups >= 1 and k % groups == 0,
+        lambda: (
+            f"tvm_gemm.{op}: argument 'groups' must be a positive divisor of the "
+            f"{k} output channels of weight {tuple(weight.shape)}, got {groups}"
+        ),
+    )
+    torch._check_value(
+        x.shape[1] == cg * groups,
+        lambda: (
+            f"tvm_gemm.{op}: given groups={groups}, weight of shape {tuple(weight.shape)} "
+            f"expects x to have {cg * groups} channels, but x {tuple(x.shape)} has "
+            f"{x.shape[1]} (x is (N, C, H, W), weight (K, C/groups, R, S))"
+        ),
+    )
+    if bias is not None:
+        _check_tensor(op, "bias", bias, (1,))
+        _check_same(op, ("x", x), ("bias", bias))
+        torch._check_value(
+            bias.shape[0] == k,
+            lambda: (
+                f"tvm_gemm.{op}: argument 'bias' must have shape ({k},), one value per "
+                f"output channel of weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
+            ),
+        )
+    out_hw = []
+    for dim, size, kernel in ((0, x.shape[2], r), (1, x.shape[3], s)):
+        extent = dilation[dim] * (kernel - 1) + 1
+        padded = size + 2 * padding[dim]
+        torch._check_value(
+            padded >= extent,
+            lambda size=size, kernel=kernel, dim=dim, padded=padded, extent=extent: (
+                f"tvm_gemm.{op}: the output would be empty: x {tuple(x.shape)} padded by "
+                f"padding={list(padding)} has {'height' if dim == 0 else 'width'} {padded}, "
+                f"smaller than the kernel's {kernel} taps at dilation={list(dilation)} "
+                f"({extent})"
+            ),
+        )
+        out_hw.append((padded - extent) // stride[dim] + 1)
+    return [x.shape[0], k, *out_hw]
+
+
+def _conv2d_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if weight.shape[1] == 0:  # no input channels: an empty sum
+        zero = bias.view(1, -1, 1, 1).expand(shape) if bias is not None else out.zero_()
+        return out.copy_(torch.relu(zero) if relu else zero)
+    n, c, h, w = x.shape
+    k, _, r, s = weight.shape
+    spec = Conv2dSpec(
+        dtype=_DTYPE_NAMES[x.dtype],
+        c=c,
+        k=k,
+        r=r,
+        s=s,
+        h=h,
+        w=w,
+        stride=_pair(_CONV, "stride", stride, 1),
+        padding=_pair(_CONV, "padding", padding, 0),
+        dilation=_pair(_CONV, "dilation", dilation, 1),
+        groups=groups,
+        bias=bias is not None,
+        relu=relu,
+        device=_device_name(x),
+    )
+    kernel = get_kernel(spec)
+    sync_threads()
+    kb = weight_block(spec)
+    w_arg = weight.contiguous() if kb is None else _packed_weight(weight, kb, spec.acc_dtype)
+    args = [x.contiguous(), w_arg]
+    if bias is not None:
+        args.append(bias.contiguous())
+    kernel(*args, out)
+    return out
+
+
+# id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
+# used only while the weight is the same object with the same storage and version (an
+# in-place update, e.g. an optimizer step, bumps the version), and dropped with the weight.
+_PACKED: dict[int, tuple] = {}
+
+
+def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
+    """``weight`` in the blocked kernels' layout, packed once and reused while unchanged."""
+    dtype = getattr(torch, acc_dtype)
+    try:
+        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), kb, dtype)
+    except RuntimeError:  # an inference tensor has no version counter: pack every time
+        return pack_weight(weight, kb, dtype)
+    key = id(weight)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == ident:
+        return hit[2]
+    packed = pack_weight(weight, kb, dtype)
+    ref = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
+    _PACKED[key] = (ref, ident, packed)
+    return packed
+
+
+LIB.impl(_CONV, _conv2d_impl, "CPU")
+
+
+@torch.library.register_fake("tvm_gemm::conv2d_bias_relu")
+def _conv2d_fake(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    return x.new_empty(check_conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+
+_CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True]  # bias ... relu
+
+
+def _conv2d_setup(ctx, inputs, output) -> None:
+    # Trailing arguments equal to their defaults may be left out by the dispatcher.
+    x, weight, bias, stride, padding, dilation, groups, relu = (
+        list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :]
+    )[:8]
+    ctx.geometry = (
+        list(_pair(_CONV, "stride", stride, 1)),
+        list(_pair(_CONV, "padding", padding, 0)),
+        list(_pair(_CONV, "dilation", dilation, 1)),
+        groups,
+    )
+    ctx.bias_sizes = None if bias is None else list(bias.shape)
+    # relu's derivative needs only the output: the pre-activation is never kept.
+    ctx.save_for_backward(x, weight, output if relu else None)
+
+
+def _conv2d_backward(ctx, grad: Tensor):
+    x, weight, output = ctx.saved_tensors
+    if output is not None:
+        grad = grad * (output > 0)
+    stride, padding, dilation, groups = ctx.geometry
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight,
+        ctx.bias_sizes,
+        stride,
+        padding,
+        dilation,
+        False,  # transposed
+        [0, 0],  # output_padding
+        groups,
+        [need_x, need_w, need_b and ctx.bias_sizes is not None],
+    )
+    return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tvm_gemm::conv2d_bias_relu", _conv2d_backward, setup_context=_conv2d_setup
+)
