@@ -259,4 +259,42 @@ def _pipeline(sch, k0, cfg) -> None:
 
 
 def schedule_simt(spec: GemmSpec, cfg: SimtConfig):
-    raise NotImplementedError("simt schedule: todo")
+    """Each thread accumulates a TM x TN register tile; A and B tiles staged in shared
+    memory (converted to the accumulation dtype once, in the copy). Thread (ty, tx) owns
+    rows ``ty*TM + r`` and columns ``tx*TN + c``: a contiguous tile, so that the epilogue's
+    per-thread region (and the register array) is exactly TM x TN."""
+    from tvm import s_tir
+
+    vector = math.gcd(4, spec.k, spec.n)
+    func = gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, granule=vector)
+    sch = s_tir.Schedule(_int32_indices(func))
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+    ty_n, tx_n = cfg.bm // cfg.tm, cfg.bn // cfg.tn
+
+    i, j, k = sch.get_loops(acc)
+    i0, i1, i2 = sch.split(i, [None, ty_n, cfg.tm])
+    j0, j1, j2 = sch.split(j, [None, tx_n, cfg.tn])
+    k0, k1 = sch.split(k, [None, cfg.bk])
+    sch.reorder(i0, j0, i1, j1, k0, k1, i2, j2)
+    sch.bind(i0, "blockIdx.y")
+    sch.bind(j0, "blockIdx.x")
+    sch.bind(i1, "threadIdx.y")
+    sch.bind(j1, "threadIdx.x")
+
+    for name in ("A_pad", "B_pad"):
+        stage = sch.get_sblock(name)
+        sch.set_scope(stage, 0, "shared")
+        sch.compute_at(stage, k0)
+        loops = sch.get_loops(stage)[-2:]
+        _, ty, tx, vec = sch.split(sch.fuse(*loops), [None, ty_n, tx_n, vector])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        sch.vectorize(vec)
+
+    sch.set_scope(acc, 0, "local")
+    sch.reverse_compute_at(out, j1)
+    sch.decompose_reduction(acc, k0)
+    sch.unroll(k1)
+    sch.unroll(i2)
+    sch.unroll(j2)
+    return sch.mod
