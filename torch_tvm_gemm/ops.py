@@ -186,8 +186,9 @@ def gemm(
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
         zero = bias.expand(m, n) if bias is not None else torch.zeros_like(out)
         return out.copy_(_ACT_FN[activation](zero))
-    cuda = a.is_cuda
-    if cuda:
+    device = _device_name(a)
+    cuda = device == "cuda"
+    if a.is_cuda:
         _check_cuda(a, b, m, n, k)
     spec = GemmSpec(
         dtype=_DTYPE_NAMES[a.dtype],
@@ -197,13 +198,13 @@ def gemm(
         bias=bias is not None,
         activation=activation,
         variant="gemv" if m <= GEMV_MAX_M else "gemm",
-        device=_device_name(a),
+        device=device,
     )
     kernel = get_kernel(spec)
     args = [a.contiguous(), b.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
-    if cuda:
+    if a.is_cuda:
         # tvm_ffi launches on torch's current stream of the tensors' device (it asks torch
         # through DLPack); the kernel sets the CUDA device of its arguments, so keep torch's
         # current device as the caller had it.

@@ -3,8 +3,7 @@ and bf16 (fp32 accumulation), reading operands from dynamic shared memory.
 
 TVM 0.27 registers these for float16 only (``tvm.s_tir.tensor_intrin.cuda``); bf16 uses the
 same 16-bit ldmatrix and the ``mma.sync ... .bf16.bf16.f32`` instruction, so we describe
-both dtypes here with one generator each. The fill and store intrinsics (fp32 accumulator
-fragments) are dtype independent and are taken from TVM.
+both dtypes here with one generator each, plus the fill and store of the fp32 accumulator.
 
 Fragment layout: a 16x16 tile of a 16-bit matrix is held by the 32 lanes of a warp, 8
 elements per lane; element (i, j) lives in lane ``4 * (i % 8) + (j % 8) // 2`` at slot
@@ -186,28 +185,97 @@ def _mma(dtype: str):
     return desc, impl
 
 
+def _fill():
+    """Zero a 16x16 fp32 accumulator fragment."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def desc(c: T.handle) -> None:
+        C = T.match_buffer(c, (WARP, SLOTS), "float32", scope="warp")
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:WARP, 0:SLOTS])
+            for a0, a1 in T.grid(TILE, TILE):
+                with T.sblock("fill"):
+                    i, j = T.axis.remap("SS", [a0, a1])
+                    lane, slot = T.meta_var(fragment_layout(i, j))
+                    T.reads()
+                    T.writes(C[lane, slot])
+                    C[lane, slot] = T.float32(0)
+
+    @T.prim_func(s_tir=True)
+    def impl(c: T.handle) -> None:
+        C = T.match_buffer(c, (WARP, SLOTS), "float32", scope="warp", offset_factor=1)
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:WARP, 0:SLOTS])
+            for _tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                T.evaluate(T.cuda.mma_fill_legacy(SLOTS, C.data, C.elem_offset, dtype="float32"))
+
+    return desc, impl
+
+
+def _store():
+    """Write a 16x16 fp32 accumulator fragment to shared.dyn (each lane its 8 values)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def desc(c_frag: T.handle, c: T.handle) -> None:
+        F = T.match_buffer(c_frag, (WARP, SLOTS), "float32", scope="warp")
+        C = T.match_buffer(c, (TILE, TILE), "float32", scope="shared.dyn")
+        with T.sblock("root"):
+            T.reads(F[0:WARP, 0:SLOTS])
+            T.writes(C[0:TILE, 0:TILE])
+            for a0, a1 in T.grid(TILE, TILE):
+                with T.sblock("store"):
+                    i, j = T.axis.remap("SS", [a0, a1])
+                    lane, slot = T.meta_var(fragment_layout(i, j))
+                    T.reads(F[lane, slot])
+                    T.writes(C[i, j])
+                    C[i, j] = F[lane, slot]
+
+    @T.prim_func(s_tir=True)
+    def impl(c_frag: T.handle, c: T.handle) -> None:
+        s0 = T.int32()
+        s1 = T.int32()
+        F = T.match_buffer(c_frag, (WARP, SLOTS), "float32", scope="warp", offset_factor=1)
+        C = T.match_buffer(
+            c, (TILE, TILE), "float32", scope="shared.dyn", offset_factor=1, strides=[s0, s1]
+        )
+        with T.sblock("root"):
+            T.reads(F[0:WARP, 0:SLOTS])
+            T.writes(C[0:TILE, 0:TILE])
+            for tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                for slot in T.serial(SLOTS):  # the inverse of fragment_layout for this lane
+                    C[8 * (slot % 4 // 2) + tx // 4, 8 * (slot // 4) + tx % 4 * 2 + slot % 2] = F[
+                        tx, slot
+                    ]
+
+    return desc, impl
+
+
 @functools.cache
 def intrinsics(dtype: str, b_k_major: bool) -> dict[str, str]:
     """Register (once) and name the intrinsics for one operand dtype and B layout."""
+    # (Not tvm.s_tir.tensor_intrin.cuda: importing it parses ~100 intrinsics, 18 s.)
     from tvm.s_tir import TensorIntrin
-    from tvm.s_tir.tensor_intrin import cuda as tvm_cuda
 
     ab = _ABBR[dtype]
     names = {
         "load_a": f"tvm_gemm_ldmatrix_{ab}_a",
         "load_b": f"tvm_gemm_ldmatrix_{ab}_b_{'nk' if b_k_major else 'kn'}",
         "compute": f"tvm_gemm_mma_{ab}_f32",
+        "init": "tvm_gemm_mma_fill_f32",
+        "store": "tvm_gemm_mma_store_f32_shared_dyn",
     }
     makers = {
         "load_a": lambda: _ldmatrix(dtype, "A", True),
         "load_b": lambda: _ldmatrix(dtype, "B", b_k_major),
         "compute": lambda: _mma(dtype),
+        "init": _fill,
+        "store": _store,
     }
     for role, name in names.items():
-        try:
-            TensorIntrin.get(name)
-        except Exception:  # not registered yet (TVM raises a plain error for unknown names)
+        if TensorIntrin.get(name, allow_missing=True) is None:
             TensorIntrin.register(name, *makers[role]())
-    names["init"] = tvm_cuda.MMA_fill_16x16_f32_INTRIN
-    names["store"] = tvm_cuda.MMA_store_16x16_f32_shared_dyn_INTRIN_SIMPLE
     return names
