@@ -31,6 +31,7 @@ from typing import Any
 ENV_PACK = "TVM_GEMM_PACK"  # pack folders (os.pathsep separated) a GPU process loads
 PACK_FORMAT = 1
 DEFAULT_ARCHES = ("sm_80", "sm_90")
+DEFAULT_CUDA_ROOTS = ("/usr/local/cuda",)
 NVCC_HELP = (
     "torch_tvm_gemm: building CUDA kernels needs nvcc (CUDA 12 or newer), which was not "
     "found on PATH or in $CUDA_HOME/bin. Install the CUDA toolkit "
@@ -53,7 +54,7 @@ def find_nvcc() -> str:
     found = shutil.which("nvcc")
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *DEFAULT_CUDA_ROOTS):
         if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
             return os.path.join(root, "bin", "nvcc")
     raise NvccNotFoundError(NVCC_HELP)
