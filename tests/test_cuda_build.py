@@ -147,6 +147,13 @@ def test_compile_cli_rejects_bad_ops():
             parse_op(bad, ["gemm"])
 
 
+def test_compile_cli_rejects_old_arches(tmp_path):
+    from torch_tvm_gemm.__main__ import main
+
+    with pytest.raises(SystemExit, match="sm_60 not supported"):
+        main(["compile", "--arch", "sm_60", "--ops", "matmul:float16:8:8", "--out", str(tmp_path)])
+
+
 def test_pack_presets_cover_backward_kernels():
     from torch_tvm_gemm.cuda_cases import GRAD_CASES, record_specs
 

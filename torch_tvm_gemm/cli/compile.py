@@ -64,8 +64,12 @@ def parse_op(text: str, variants: list[str]) -> list:
 
 def run(args) -> int:
     from .. import cuda_pack
+    from ..schedules.cuda import MIN_ARCH, arch_number
 
     arches = cuda_pack.normalize_arches(args.arch)
+    old = [a for a in arches if arch_number(a) < MIN_ARCH]
+    if old:
+        raise SystemExit(f"compile: {', '.join(old)} not supported (sm_70 or newer)")
     cuda_pack.find_nvcc()  # fail early, with the message saying how to get nvcc
     variants = [v for v in args.variants.split(",") if v]
     specs = []
