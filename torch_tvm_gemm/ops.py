@@ -205,11 +205,17 @@ def gemm(
     if bias is not None:
         args.append(bias.contiguous())
     if a.is_cuda:
+        # The kernels use 16-byte vector loads and stores: a view starting mid-vector
+        # (a storage offset, a batch slice of `out`) goes through an aligned copy.
+        args = [t if t.data_ptr() % 16 == 0 else t.clone() for t in args]
+        dest = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
         # tvm_ffi launches on torch's current stream of the tensors' device (it asks torch
         # through DLPack); the kernel sets the CUDA device of its arguments, so keep torch's
         # current device as the caller had it.
         with torch.cuda.device(a.device):
-            kernel(*args, out)
+            kernel(*args, dest)
+        if dest is not out:
+            out.copy_(dest)
     else:
         sync_threads()
         kernel(*args, out)

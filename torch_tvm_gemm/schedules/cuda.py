@@ -159,7 +159,7 @@ def schedule_mma(spec: GemmSpec, cfg: MmaConfig):
     sch.reverse_compute_at(c_frag, warp)
     sch.set_scope(c_frag, 0, "shared.dyn")
     sch.reverse_compute_at(out, j0)
-    _epilogue(sch, out, cfg)
+    _epilogue(sch, out, cfg, math.gcd(4, spec.n))
 
     sch.decompose_reduction(outer, k0)
 
@@ -237,14 +237,16 @@ def _spread_copy(sch, block, cfg, vector: int) -> None:
     sch.vectorize(vec)
 
 
-def _epilogue(sch, out, cfg) -> None:
-    """out = act(acc + bias), read from shared memory row-wise, 4 outputs per thread."""
+def _epilogue(sch, out, cfg, vector: int) -> None:
+    """out = act(acc + bias), read from shared memory row-wise, ``vector`` outputs per
+    thread stored at once (the bounds checks hold for whole vectors: N % vector == 0)."""
     r, c = sch.get_loops(out)[-2:]
     fused = sch.fuse(r, c)
-    _, ty, tx, vec = sch.split(fused, [None, cfg.warps_m * cfg.warps_n, 32, 4])
+    _, ty, tx, vec = sch.split(fused, [None, cfg.warps_m * cfg.warps_n, 32, vector])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
-    sch.unroll(vec)  # (not vectorize: the M / N bounds check is per element)
+    if vector > 1:
+        sch.vectorize(vec)
 
 
 def _pipeline(sch, k0, cfg) -> None:
