@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "torch_tvm_gemm.cli.demo",
     "torch_tvm_gemm.cli.bench",
     "torch_tvm_gemm.cli.bench_conv",
+    "torch_tvm_gemm.cli.compile",
 ]
 
 
