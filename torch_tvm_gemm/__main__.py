@@ -14,6 +14,9 @@ import sys
 # does any work).
 COMMAND_MODULES = [
     "torch_tvm_gemm.cli.demo",
+    "torch_tvm_gemm.cli.ladder",
+    "torch_tvm_gemm.cli.tune",
+    "torch_tvm_gemm.cli.cache",
 ]
 
 

@@ -40,8 +40,15 @@ def target_json(device: str) -> dict:
     raise ValueError(f"torch_tvm_gemm: no TVM target for device {device!r}")
 
 
-def lower(spec) -> Any:
-    """The scheduled IRModule of ``spec``."""
+def lower(spec, use_tuned: bool = True) -> Any:
+    """The scheduled IRModule of ``spec``: its kept tuning record (``tune.py``) if there is
+    one, else the hand schedule."""
+    if use_tuned:
+        from .tune import tuned_module
+
+        mod = tuned_module(spec)
+        if mod is not None:
+            return mod
     try:
         scheduler = SCHEDULES[(spec.family, spec.device)]
     except KeyError:
@@ -51,11 +58,11 @@ def lower(spec) -> Any:
     return _resolve(scheduler)(spec)
 
 
-def compile_spec(spec) -> tuple[Any, float]:
+def compile_spec(spec, use_tuned: bool = True) -> tuple[Any, float]:
     """Compile ``spec`` for its device on this machine: (tvm Executable, seconds taken)."""
     import tvm
 
     start = time.perf_counter()
-    mod = lower(spec)
+    mod = lower(spec, use_tuned)
     executable = tvm.compile(mod, target=tvm.target.Target(target_json(spec.device)))
     return executable, time.perf_counter() - start
