@@ -25,11 +25,14 @@ model's example input) and the result serves every M.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,9 +227,13 @@ def sanitize_database(work_dir: Path) -> int:
             new_index[idx] = len(kept_workloads)
             kept_workloads.append(line)
     kept_records = []
-    for _, value in records:
-        if _valid_record(value) and value[0] in new_index:
-            kept_records.append(json.dumps([new_index[value[0]], value[1]]))
+    for line, value in records:
+        if not (_valid_record(value) and value[0] in new_index):
+            continue
+        if new_index[value[0]] == value[0]:
+            kept_records.append(line)  # untouched, byte for byte
+        else:
+            kept_records.append(json.dumps([new_index[value[0]], value[1]], separators=(",", ":")))
     dropped = len(workloads) - len(kept_workloads) + len(records) - len(kept_records)
     if dropped:
         warnings.warn(
@@ -433,8 +440,29 @@ def tune_spec(
     work_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + time_budget_s
     with FileLock(str(work_dir / "lock"), timeout=max(1.0, time_budget_s)):
-        done, new = _search(spec, m, k, trials, deadline, rpc, space, per_round, progress)
-        return _verdict(spec, m, k, done, new, space)
+        with _no_tensor_intrinsics(space == "hand"):
+            done, new = _search(spec, m, k, trials, deadline, rpc, space, per_round, progress)
+            return _verdict(spec, m, k, done, new, space)
+
+
+@contextlib.contextmanager
+def _no_tensor_intrinsics(enabled: bool):
+    """Skip importing ``tvm.s_tir.tensor_intrin`` while tuning our own space.
+
+    MetaSchedule's TuneContext and its builder import it unconditionally, and it parses
+    some 250 TVMScript intrinsics (CUDA, ARM, x86, ...): 35-45 s on 2 busy cores, more than
+    a short tuning run itself. The hand space never tensorizes, so an empty module stands
+    in for it while we tune; it is removed afterwards, so a later real import still works.
+    """
+    name = "tvm.s_tir.tensor_intrin"
+    if not enabled or name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
 
 
 def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tuple[int, int]:
