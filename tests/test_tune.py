@@ -173,3 +173,21 @@ def test_rpc_tuning_on_loopback(cache_home):
     finally:
         server.terminate()
         tracker.terminate()
+
+
+def test_tune_every_linear_of_a_model(cache_home, tmp_path, monkeypatch, capsys):
+    from torch_tvm_gemm.__main__ import main
+
+    (tmp_path / "tiny_models.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(40, 8, bias=False))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["tune", "--model", "tiny_models:make", "--input-shape", "20,24", "--trials", "2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.count("2 trials (2 new)") == 2, out
+    for spec in (GemmSpec("float32", 40, 24, "nk", True), GemmSpec("float32", 8, 40, "nk")):
+        assert (tune.tuning_dir(spec) / "best.json").exists()
