@@ -180,6 +180,7 @@ def run_size(size: int, steps: list[Step], log=print) -> tuple[float, list[Resul
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     out = torch.empty(size, size)
     expected = a.double() @ b.double()
+
     def torch_gflops() -> float:
         return flops / time_fn(lambda x, y, o: torch.matmul(x, y, out=o), [a, b, out]) / 1e9
 
