@@ -52,8 +52,16 @@ def run(args) -> int:
             results.append(r)
     report["torch_gflops"] = {str(s): round(g, 2) for s, g in torch_gf.items()}
     report["steps"] = table_rows(results, torch_gf, sizes)
+    report["summary"] = summary(report["steps"], sizes)
     print()
     print(format_table(report["steps"], sizes))
+    print()
+    for size, s in report["summary"].items():
+        tuned = f"{s['tuned_vs_best_hand']:.2f}x" if s["tuned_vs_best_hand"] else "-"
+        print(
+            f"{size}^3: best step {s['best_step']} at {s['best_vs_torch']:.2f}x torch.matmul; "
+            f"tuned = {tuned} the best hand step ({s['best_hand_step']})"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ladder.json").write_text(json.dumps(report, indent=1))
@@ -128,6 +136,28 @@ def table_rows(results, torch_gf: dict[int, float], sizes: list[int]) -> list[di
         rows.append(row)
         prev = step
     return rows
+
+
+def summary(rows: list[dict], sizes: list[int]) -> dict:
+    """Per size: the best step and its ratio to torch; the tuned step vs the best hand one."""
+    out = {}
+    for size in sizes:
+        cells = {r["step"]: r["sizes"][str(size)] for r in rows if r["sizes"][str(size)]["gflops"]}
+        if not cells:
+            continue
+        hand = {k: v for k, v in cells.items() if k != "tuned"}
+        best = max(cells, key=lambda k: cells[k]["gflops"])
+        best_hand = max(hand, key=lambda k: hand[k]["gflops"]) if hand else None
+        tuned = cells.get("tuned")
+        out[str(size)] = {
+            "best_step": best,
+            "best_vs_torch": cells[best]["vs_torch"],
+            "best_hand_step": best_hand,
+            "tuned_vs_best_hand": round(tuned["gflops"] / hand[best_hand]["gflops"], 3)
+            if tuned and best_hand
+            else None,
+        }
+    return out
 
 
 def format_table(rows: list[dict], sizes: list[int]) -> str:
