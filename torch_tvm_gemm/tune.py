@@ -433,9 +433,10 @@ def tune_spec(
     per_round: int = 8,
     progress: bool = True,
 ) -> TuneResult:
-    """Tune ``spec`` at batch ``m`` (and ``k`` if symbolic) until the database holds ``trials`` measurements of it
-    (or ``time_budget_s`` runs out), then verify, compare with the hand schedule and write
-    the verdict. Runs under a file lock: a second process on the same kernel waits."""
+    """Tune ``spec`` at batch ``m`` (and ``k`` if K is symbolic) until the database holds
+    ``trials`` measurements of it or ``time_budget_s`` runs out; then verify the best,
+    compare it with the hand schedule and write the verdict. Runs under a file lock: a
+    second process tuning the same kernel waits, then finds the work done."""
     work_dir = tuning_dir(spec)
     work_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + time_budget_s
@@ -532,7 +533,11 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     if not records:
         return TuneResult(spec, m, done, new, None, None, False, "no valid measurement")
     trace = records[0].trace
-    tuned_fn = _compile(_apply_trace(spec, _plain(trace.as_json())))
+    try:
+        tuned_fn = _compile(_apply_trace(spec, _plain(trace.as_json())))
+    except Exception as err:  # e.g. a generic-space trace whose tiles assume the tuning M
+        reason = f"best trace does not replay on the symbolic-M kernel: {err}"
+        return TuneResult(spec, m, done, new, None, None, False, reason.splitlines()[0])
     from .build import compile_spec
 
     hand_fn = compile_spec(spec, use_tuned=False)[0]["main"]
