@@ -142,20 +142,8 @@ class Result:
     note: str = ""
 
 
-def measure(fn, args: list, slow_s: float = 0.5) -> tuple[float, Any]:
-    """(median seconds per call, the first call's output): one call only for a slow kernel
-    (the naive one runs seconds; its speed is not in doubt to a few percent)."""
-    import time
-
-    from .tune import time_fn
-
-    t0 = time.perf_counter()
-    fn(*args)
-    first = time.perf_counter() - t0
-    if first > slow_s:
-        return first, args[-1].clone()
-    out = args[-1].clone()
-    return min(first, time_fn(fn, args)), out
+SLOW_S = 0.5  # a kernel whose first call takes longer is timed by that call alone
+ROUNDS = 3  # interleaved timing rounds (see run_size)
 
 
 def check(out, expected, k: int) -> tuple[bool, float]:
@@ -167,8 +155,8 @@ def check(out, expected, k: int) -> tuple[bool, float]:
     return ok, err
 
 
-def best_torch_gflops(a, b, out) -> float:
-    """torch.matmul's GFLOPS at its own thread count, or at one thread if that is faster.
+def torch_matmul_timer(a, b, out) -> Callable[[], float]:
+    """A timer of torch.matmul at its own thread count, or at one thread if that is faster.
 
     Why both: on an oversubscribed machine (these 2 cores are shared) torch's OpenMP
     barrier waits for a descheduled worker thread a whole time slice per call, and a small
@@ -179,73 +167,99 @@ def best_torch_gflops(a, b, out) -> float:
 
     from .tune import time_fn
 
-    flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    threads = torch.get_num_threads()
-    best = 0.0
-    for n in dict.fromkeys((threads, 1)):
-        torch.set_num_threads(n)
-        try:
-            seconds = time_fn(lambda x, y, o: torch.matmul(x, y, out=o), [a, b, out])
-        finally:
-            torch.set_num_threads(threads)
-        best = max(best, flops / seconds / 1e9)
-    return best
+    def seconds() -> float:
+        threads = torch.get_num_threads()
+        best = float("inf")
+        for n in dict.fromkeys((threads, 1)):
+            torch.set_num_threads(n)
+            try:
+                t = time_fn(lambda x, y, o: torch.matmul(x, y, out=o), [a, b, out], rounds=1)
+            finally:
+                torch.set_num_threads(threads)
+            best = min(best, t)
+        return best
+
+    return seconds
 
 
-def run_size(size: int, steps: list[Step], log=print) -> tuple[float, list[Result]]:
-    """torch.matmul's GFLOPS and each hand step's result at ``size``^3, same inputs."""
+def tuned_kernel(size: int, trials: int, budget_s: float, progress: bool):
+    """The auto-tuned step's kernel (the search's best, kept or not) and a note."""
+    from .tune import _apply_trace, _compile, read_best, tune_spec
+
+    spec = ladder_spec(size, size)
+    res = tune_spec(spec, size, trials=trials, time_budget_s=budget_s, progress=progress)
+    best = read_best(spec)
+    if best is None:
+        return None, res.reason
+    verdict = "kept" if res.kept else f"not kept: {res.reason}"
+    return _compile(_apply_trace(spec, best["trace"])), f"{res.trials} trials; {verdict}"
+
+
+def run_size(
+    size: int,
+    steps: list[Step],
+    tune_trials: int = 0,
+    tune_budget_s: float = 0.0,
+    progress: bool = True,
+    log=print,
+) -> tuple[float, list[Result]]:
+    """torch.matmul's GFLOPS and each step's result at ``size``^3, on the same inputs.
+
+    Each kernel is checked against a float64 reference on its first call; then all of them
+    and torch.matmul are timed in ``ROUNDS`` interleaved rounds, each keeping its best, so
+    that a burst of load from other processes on these shared cores does not favour
+    whichever kernel happened to run in a quiet moment.
+    """
+    import time
+
     import torch
 
     from .runtime import sync_threads
+    from .tune import time_fn
 
     sync_threads()  # TVM's pool: as many threads as torch uses
-    flops = 2.0 * size**3
     g = torch.Generator().manual_seed(size)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     out = torch.empty(size, size)
     expected = a.double() @ b.double()
-
-    def torch_gflops() -> float:
-        return best_torch_gflops(a, b, out)
-
-    torch_gf = torch_gflops()
-    results = []
+    kernels: dict[str, Any] = {}
+    notes: dict[str, str] = {}
     for step in steps:
         if step.max_size is not None and size > step.max_size:
-            results.append(Result(step.name, size, None, note=f"skipped above {step.max_size}"))
-            continue
-        fn = compile_step(step, ladder_spec(size, size))["main"]
+            notes[step.name] = f"skipped above {step.max_size}"
+        else:
+            kernels[step.name] = compile_step(step, ladder_spec(size, size))["main"]
+    if tune_trials > 0:
+        fn, notes[TUNED_STEP] = tuned_kernel(size, tune_trials, tune_budget_s, progress)
+        if fn is not None:
+            kernels[TUNED_STEP] = fn
+    best: dict[str, float] = {}
+    errors: dict[str, float] = {}
+    slow: set[str] = set()
+    for name, fn in kernels.items():  # verify (the first call, also a timing)
         out.fill_(float("nan"))
-        seconds, got = measure(fn, [a, b, out])
-        ok, err = check(got, expected, size)
-        gf = flops / seconds / 1e9 if ok else None
-        results.append(Result(step.name, size, gf, err, "" if ok else "WRONG RESULT"))
-        log(f"  {size}: {step.name:<11} {gf or 0:8.1f} GFLOPS  max|err| {err:.1e}")
-    # torch again after the steps: the best of both, so a burst of load from other
-    # processes during one measurement does not flatter our ratios.
-    torch_gf = max(torch_gf, torch_gflops())
+        t0 = time.perf_counter()
+        fn(a, b, out)
+        best[name] = time.perf_counter() - t0
+        ok, errors[name] = check(out, expected, size)
+        if not ok:
+            notes[name] = "WRONG RESULT"
+        if best[name] > SLOW_S:
+            slow.add(name)
+    torch_timer = torch_matmul_timer(a, b, out)
+    torch_s = float("inf")
+    for _ in range(ROUNDS):
+        torch_s = min(torch_s, torch_timer())
+        for name, fn in kernels.items():
+            if name not in slow and notes.get(name) != "WRONG RESULT":
+                best[name] = min(best[name], time_fn(fn, [a, b, out], rounds=1))
+    flops = 2.0 * size**3
+    results = []
+    for name in [s.name for s in steps] + ([TUNED_STEP] if TUNED_STEP in notes else []):
+        ok = name in kernels and notes.get(name) != "WRONG RESULT"
+        gf = flops / best[name] / 1e9 if ok else None
+        results.append(Result(name, size, gf, errors.get(name), notes.get(name, "")))
+        log(f"  {size}: {name:<11} {gf or 0:8.1f} GFLOPS  {notes.get(name, '')}")
+    torch_gf = flops / torch_s / 1e9
     log(f"  {size}: torch.matmul {torch_gf:.1f} GFLOPS")
     return torch_gf, results
-
-
-def run_tuned(size: int, trials: int, time_budget_s: float, progress: bool = True) -> Result:
-    """The auto-tuned step: tune (or reuse the database), verify, time in this run."""
-    import torch
-
-    from .tune import _apply_trace, _compile, read_best, time_fn, tune_spec
-
-    spec = ladder_spec(size, size)
-    res = tune_spec(spec, size, trials=trials, time_budget_s=time_budget_s, progress=progress)
-    best = read_best(spec)
-    if best is None:
-        return Result(TUNED_STEP, size, None, note=res.reason)
-    fn = _compile(_apply_trace(spec, best["trace"]))  # the search's best, kept or not
-    g = torch.Generator().manual_seed(size)
-    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
-    out = torch.empty(size, size)
-    seconds = time_fn(fn, [a, b, out])
-    ok, err = check(out, a.double() @ b.double(), size)
-    note = f"{res.trials} trials ({res.new_trials} new); " + (
-        "kept" if res.kept else f"not kept: {res.reason}"
-    )
-    return Result(TUNED_STEP, size, 2.0 * size**3 / seconds / 1e9 if ok else None, err, note)

@@ -20,12 +20,12 @@ def register(sub) -> None:
     p.add_argument(
         "--tune-trials",
         type=int,
-        default=16,
+        default=32,
         help="MetaSchedule trials per size for the tuned step (records in the database "
         "count: a size tuned before is not re-tuned); 0 skips the step",
     )
     p.add_argument(
-        "--tune-time", type=float, default=240.0, help="seconds of tuning, all sizes together"
+        "--tune-time", type=float, default=300.0, help="seconds of tuning, all sizes together"
     )
     p.add_argument("--no-plot", action="store_true", help="write the JSON only")
     p.set_defaults(func=run)
@@ -41,15 +41,12 @@ def run(args) -> int:
     print(f"ladder on {report['cpu']}, {report['threads']} threads, {report['date']}")
     torch_gf: dict[int, float] = {}
     results: list[ladder.Result] = []
+    budget = args.tune_time / len(sizes)
     for size in sizes:
-        torch_gf[size], hand = ladder.run_size(size, ladder.HAND_STEPS)
-        results += hand
-    if args.tune_trials > 0:
-        budget = args.tune_time / len(sizes)
-        for size in sizes:
-            r = ladder.run_tuned(size, args.tune_trials, budget)
-            print(f"  {size}: tuned       {r.gflops or 0:8.1f} GFLOPS  ({r.note})")
-            results.append(r)
+        torch_gf[size], res = ladder.run_size(
+            size, ladder.HAND_STEPS, args.tune_trials, budget, progress=True
+        )
+        results += res
     report["torch_gflops"] = {str(s): round(g, 2) for s, g in torch_gf.items()}
     report["steps"] = table_rows(results, torch_gf, sizes)
     report["summary"] = summary(report["steps"], sizes)
