@@ -142,6 +142,7 @@ class Result:
     note: str = ""
 
 
+TORCH_BY_THREADS: dict[int, dict[int, float]] = {}  # size -> threads -> GFLOPS, last run
 SLOW_S = 0.5  # a kernel whose first call takes longer is timed by that call alone
 ROUNDS = 3  # interleaved timing rounds (see run_size)
 
@@ -155,8 +156,8 @@ def check(out, expected, k: int) -> tuple[bool, float]:
     return ok, err
 
 
-def torch_matmul_timer(a, b, out) -> Callable[[], float]:
-    """A timer of torch.matmul at its own thread count, or at one thread if that is faster.
+def torch_matmul_timer(a, b, out) -> Callable[[], dict[int, float]]:
+    """A timer of torch.matmul at its own thread count and at one thread: seconds by count.
 
     Why both: on an oversubscribed machine (these 2 cores are shared) torch's OpenMP
     barrier waits for a descheduled worker thread a whole time slice per call, and a small
@@ -167,17 +168,17 @@ def torch_matmul_timer(a, b, out) -> Callable[[], float]:
 
     from .tune import time_fn
 
-    def seconds() -> float:
+    def seconds() -> dict[int, float]:
         threads = torch.get_num_threads()
-        best = float("inf")
+        by_threads = {}
         for n in dict.fromkeys((threads, 1)):
             torch.set_num_threads(n)
             try:
-                t = time_fn(lambda x, y, o: torch.matmul(x, y, out=o), [a, b, out], rounds=1)
+                fn = lambda x, y, o: torch.matmul(x, y, out=o)  # noqa: E731
+                by_threads[n] = time_fn(fn, [a, b, out], rounds=1)
             finally:
                 torch.set_num_threads(threads)
-            best = min(best, t)
-        return best
+        return by_threads
 
     return seconds
 
@@ -247,9 +248,10 @@ def run_size(
         if best[name] > SLOW_S:
             slow.add(name)
     torch_timer = torch_matmul_timer(a, b, out)
-    torch_s = float("inf")
+    torch_s: dict[int, float] = {}
     for _ in range(ROUNDS):
-        torch_s = min(torch_s, torch_timer())
+        for n, t in torch_timer().items():
+            torch_s[n] = min(torch_s.get(n, t), t)
         for name, fn in kernels.items():
             if name not in slow and notes.get(name) != "WRONG RESULT":
                 best[name] = min(best[name], time_fn(fn, [a, b, out], rounds=1))
@@ -260,6 +262,8 @@ def run_size(
         gf = flops / best[name] / 1e9 if ok else None
         results.append(Result(name, size, gf, errors.get(name), notes.get(name, "")))
         log(f"  {size}: {name:<11} {gf or 0:8.1f} GFLOPS  {notes.get(name, '')}")
-    torch_gf = flops / torch_s / 1e9
-    log(f"  {size}: torch.matmul {torch_gf:.1f} GFLOPS")
+    by_threads = {n: round(flops / t / 1e9, 2) for n, t in torch_s.items()}
+    torch_gf = max(by_threads.values())  # the reference: torch at its best thread count
+    log(f"  {size}: torch.matmul {torch_gf:.1f} GFLOPS (by threads: {by_threads})")
+    TORCH_BY_THREADS[size] = by_threads
     return torch_gf, results

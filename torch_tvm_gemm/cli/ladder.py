@@ -48,6 +48,7 @@ def run(args) -> int:
         )
         results += res
     report["torch_gflops"] = {str(s): round(g, 2) for s, g in torch_gf.items()}
+    report["torch_gflops_by_threads"] = {str(s): t for s, t in ladder.TORCH_BY_THREADS.items()}
     report["steps"] = table_rows(results, torch_gf, sizes)
     report["summary"] = summary(report["steps"], sizes)
     print()
