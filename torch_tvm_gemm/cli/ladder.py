@@ -189,13 +189,17 @@ def plot(report: dict, sizes: list[int], path: Path) -> None:
         xs = [g + (i - (len(rows) - 1) / 2) * width for g in range(len(sizes))]
         ys = [row["sizes"][str(s)]["gflops"] or 0 for s in sizes]
         ax.bar(xs, ys, width, label=row["step"])
+        for x, y in zip(xs, ys, strict=True):
+            if not y:  # skipped (too slow) or wrong: say so rather than show no bar
+                ax.text(x, 1, "skipped", rotation=90, ha="center", va="bottom", fontsize=7)
     torch_y = [report["torch_gflops"][str(s)] for s in sizes]
     ax.plot(range(len(sizes)), torch_y, "k--o", label="torch.matmul")
     ax.set_yscale("log")
     ax.set_xticks(range(len(sizes)), [f"{s}^3" for s in sizes])
     ax.set_ylabel("GFLOPS (fp32, log scale)")
     ax.set_title(f"GEMM optimization ladder: {report['cpu']}, {report['threads']} threads")
-    ax.legend(ncol=4, fontsize=8)
+    ax.legend(ncol=8, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.text(0.99, 0.01, report["date"], ha="right", fontsize=7, color="gray")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
