@@ -191,3 +191,36 @@ def test_tune_every_linear_of_a_model(cache_home, tmp_path, monkeypatch, capsys)
     assert out.count("2 trials (2 new)") == 2, out
     for spec in (GemmSpec("float32", 40, 24, "nk", True), GemmSpec("float32", 8, 40, "nk")):
         assert (tune.tuning_dir(spec) / "best.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_between_rounds_and_the_rerun_resumes(cache_home):
+    import signal
+    import time
+
+    spec = GemmSpec("float32", 40, None, "kn")
+    args = ["tune", "--op", "matmul", "--shapes", "33x40x24", "--trials", "24"]
+    env = {**os.environ, "TVM_GEMM_CACHE_DIR": str(cache_home)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch_tvm_gemm", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # a background job may inherit SIGINT ignored: give the child the default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    records = tune.tuning_dir(spec) / "database_tuning_record.json"
+    deadline = time.monotonic() + 120
+    while not (records.exists() and records.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    measured = len(record_lines(spec))
+    assert 0 < measured < 24
+    again = run_cli(*args, cache_dir=cache_home)
+    assert f"24 trials ({24 - measured} new)" in again, again  # resumed, not restarted

@@ -30,7 +30,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import types
 import warnings
@@ -490,33 +492,70 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
     start_done = done
     bar = _progress_bar(trials, done, spec, progress)
     builder, runner = _in_process_builder(), _runner(rpc)  # reused over the rounds
-    try:
-        while done < trials and time.monotonic() < deadline:
-            _quiet_console()
-            ms.tune_tir(
-                mod,
-                target,
-                str(work_dir),
-                max_trials_global=min(per_round, trials - done),
-                num_trials_per_iter=min(per_round, trials - done),
-                builder=builder,
-                runner=runner,
-                space=_space_generator(spec, space),
-                strategy=_strategy(),
-                database=open_database(work_dir),
-                num_tuning_cores=1,
-            )
-            records = _records(open_database(work_dir), mod)
-            if len(records) == done:  # nothing new measured (space exhausted, all failed)
-                break
-            bar.update(len(records) - done)
-            done = len(records)
-            best = flops / _seconds(records[0]) / 1e9
-            left = max(0, deadline - time.monotonic())
-            bar.set_postfix_str(f"best {best:.1f} GFLOPS, {left:.0f} s of budget left")
-    finally:
-        bar.close()
+    with _ctrl_c_flag() as ctrl_c:
+        try:
+            while done < trials and time.monotonic() < deadline:
+                _quiet_console()
+                try:
+                    ms.tune_tir(
+                        mod,
+                        target,
+                        str(work_dir),
+                        max_trials_global=min(per_round, trials - done),
+                        num_trials_per_iter=min(per_round, trials - done),
+                        builder=builder,
+                        runner=runner,
+                        space=_space_generator(spec, space),
+                        strategy=_strategy(),
+                        database=open_database(work_dir),
+                        num_tuning_cores=1,
+                    )
+                except Exception as err:
+                    if ctrl_c["hit"]:  # what was measured is in the database already
+                        raise KeyboardInterrupt from err
+                    raise
+                if ctrl_c["hit"]:
+                    raise KeyboardInterrupt
+                records = _records(open_database(work_dir), mod)
+                if len(records) == done:  # nothing new measured (space exhausted, all failed)
+                    break
+                bar.update(len(records) - done)
+                done = len(records)
+                best = flops / _seconds(records[0]) / 1e9
+                left = max(0, deadline - time.monotonic())
+                bar.set_postfix_str(f"best {best:.1f} GFLOPS, {left:.0f} s of budget left")
+        finally:
+            bar.close()
     return done, done - start_done
+
+
+@contextlib.contextmanager
+def _ctrl_c_flag():
+    """Make Ctrl-C stop tuning between rounds rather than inside one.
+
+    A KeyboardInterrupt raised while MetaSchedule's C++ loop is calling back into our
+    builder or runner is, at best, turned into a RuntimeError or a failed trial, and at
+    worst crashes the process (seen: a segfault). So the first Ctrl-C only sets a flag that
+    the round loop checks (the current round ends in seconds; what it measured is kept);
+    a second one interrupts at once, as usual.
+    """
+    state = {"hit": False}
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if on_main else None
+    if not on_main or previous == signal.SIG_IGN:  # not ours to handle
+        yield state
+        return
+
+    def handler(signum, frame):
+        state["hit"] = True
+        print("\nCtrl-C: stopping after this round (again to abort now)", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _quiet_console() -> None:

@@ -127,9 +127,13 @@ def run(args) -> int:
         if left <= 0:
             print(f"{name}: time budget spent, not tuned")
             continue
-        res = tune.tune_spec(
-            spec, m, k, trials=args.trials, time_budget_s=left, rpc=rpc, space=args.space
-        )
+        try:
+            res = tune.tune_spec(
+                spec, m, k, trials=args.trials, time_budget_s=left, rpc=rpc, space=args.space
+            )
+        except KeyboardInterrupt:
+            print(f"\n{name}: interrupted; what was measured is kept: run again to resume")
+            return 130
         kept += res.kept
         tuned = f"{res.tuned_gflops:.1f}" if res.tuned_gflops else "-"
         hand = f"{res.hand_gflops:.1f}" if res.hand_gflops else "-"
