@@ -42,6 +42,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from . import cache
 from .kernels.gemm import GemmSpec, gemm_compute
 from .target import host_cpu
 
@@ -56,30 +57,16 @@ BEST = "best.json"
 # --- where records live, without importing tvm --------------------------------------------
 
 
-def _cache_dir() -> Path:
-    from .cache import cache_dir
-
-    return cache_dir()
-
-
 def tuning_root() -> Path:
-    return _cache_dir() / "tuning"
-
-
-def _version(dist: str) -> str:
-    from .cache import _version as version
-
-    return version(dist)
+    return cache.tuning_root()
 
 
 def tuning_key(spec: GemmSpec) -> dict:
     """What a tuning record depends on: the kernel (spec, target, TVM) and our space."""
-    from .cache import device_key
-
     return {
         **spec.key(),
-        "target": device_key(spec.device),
-        "tvm": _version("apache-tvm"),
+        "target": cache.device_key(spec.device),
+        "tvm": cache._version("apache-tvm"),
         "space_version": SPACE_VERSION,
     }
 
