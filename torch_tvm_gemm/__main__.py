@@ -17,6 +17,9 @@ COMMAND_MODULES = [
     "torch_tvm_gemm.cli.bench",
     "torch_tvm_gemm.cli.bench_conv",
     "torch_tvm_gemm.cli.compile",
+    "torch_tvm_gemm.cli.ladder",
+    "torch_tvm_gemm.cli.tune",
+    "torch_tvm_gemm.cli.cache",
 ]
 
 

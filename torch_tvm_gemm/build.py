@@ -65,8 +65,15 @@ def target_json(device: str, arch: str | None = None) -> dict:
     raise ValueError(f"torch_tvm_gemm: no TVM target for device {device!r}")
 
 
-def lower(spec, target: dict | None = None) -> Any:
-    """The scheduled IRModule of ``spec`` (CUDA schedules depend on the target's arch)."""
+def lower(spec, target: dict | None = None, use_tuned: bool = True) -> Any:
+    """The scheduled IRModule of ``spec``: its kept tuning record (``tune.py``) if there is
+    one, else the hand schedule (CUDA schedules depend on the target's arch)."""
+    if use_tuned:
+        from .tune import tuned_module
+
+        mod = tuned_module(spec)
+        if mod is not None:
+            return mod
     try:
         scheduler = SCHEDULES[(spec.family, spec.device)]
     except KeyError:
@@ -78,7 +85,9 @@ def lower(spec, target: dict | None = None) -> Any:
     return _resolve(scheduler)(spec)
 
 
-def compile_spec(spec, arch: str | None = None, arches=None) -> tuple[Any, float]:
+def compile_spec(
+    spec, arch: str | None = None, arches=None, use_tuned: bool = True
+) -> tuple[Any, float]:
     """Compile ``spec`` for its device: (tvm Executable, seconds taken).
 
     CUDA: TVM generates code for ``arch`` (default: this GPU's), nvcc then compiles it for
@@ -89,7 +98,7 @@ def compile_spec(spec, arch: str | None = None, arches=None) -> tuple[Any, float
 
     start = time.perf_counter()
     target = target_json(spec.device, arch) if spec.device == "cuda" else target_json("cpu")
-    mod = lower(spec, target)
+    mod = lower(spec, target, use_tuned)
     config = PASS_CONFIGS.get(spec.device)
     with tvm.transform.PassContext(config=config) if config else contextlib.nullcontext():
         executable = tvm.compile(mod, target=tvm.target.Target(target))

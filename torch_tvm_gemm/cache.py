@@ -62,13 +62,21 @@ def device_key(device: str) -> str:
 
 
 def full_key(spec) -> dict:
-    """Everything that changes the binary: the spec, target, TVM and schedule versions."""
-    return {
+    """Everything that changes the binary: the spec, target, TVM and schedule versions, and
+    the kept tuning record if any (``tune.tuned_key``: a tuned build never collides with the
+    hand one, and a re-tuned kernel is rebuilt)."""
+    from .tune import tuned_key
+
+    key = {
         **spec.key(),
         "target": device_key(spec.device),
         "tvm": _version("apache-tvm"),
         "schedule_version": build.schedule_version(spec.device),
     }
+    tuned = tuned_key(spec)
+    if tuned is not None:  # absent when untuned: hand kernels keep their existing keys
+        key["tuned"] = tuned
+    return key
 
 
 def kernel_path(spec) -> Path:
@@ -199,3 +207,140 @@ def load_or_build(spec) -> Any:
     from .runtime import load_kernel_file
 
     return load_kernel_file(path, spec.name(), spec.device)
+
+
+# --- management: list, prune, clear, export, import (``python -m torch_tvm_gemm cache``) ----
+
+
+def tuning_root() -> Path:
+    return cache_dir() / "tuning"
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def entries() -> list[dict]:
+    """Every cached kernel: path, name, key, size (library + metadata), last use, intact."""
+    out = []
+    for path in sorted(kernels_dir().glob("*.so")):
+        meta = read_meta(path) or {}
+        try:
+            stat = path.stat()
+        except OSError:  # removed meanwhile (a concurrent prune)
+            continue
+        size = stat.st_size + (_meta_path(path).stat().st_size if _meta_path(path).exists() else 0)
+        out.append(
+            {
+                "path": path,
+                "name": meta.get("name", path.stem),
+                "key": meta.get("key", {}),
+                "size": size,
+                "last_use": stat.st_mtime,
+                "intact": meta.get("sha256") is not None and meta.get("size") == stat.st_size,
+            }
+        )
+    return out
+
+
+def total_size() -> int:
+    root = cache_dir()
+    return _dir_size(root) if root.exists() else 0
+
+
+def prune(max_bytes: int) -> list[Path]:
+    """Remove least-recently-used kernels until the cache holds at most ``max_bytes``.
+
+    Tuning records count towards the size but are not removed: they cost minutes to hours
+    of measurement, a kernel only seconds of compiling. A kernel being built or loaded by
+    another process (its lock held) is skipped.
+    """
+    removed = []
+    size = total_size()
+    for entry in sorted(entries(), key=lambda e: e["last_use"]):
+        if size <= max_bytes:
+            break
+        path = entry["path"]
+        lock = FileLock(str(path) + ".lock", timeout=0)
+        try:
+            with lock:
+                _remove(path)
+        except TimeoutError:
+            continue
+        Path(str(path) + ".lock").unlink(missing_ok=True)
+        size -= entry["size"]
+        removed.append(path)
+    return removed
+
+
+def clear(tuning: bool = True) -> int:
+    """Remove every cached kernel (and the tuning records if ``tuning``); files removed."""
+    import shutil
+
+    count = 0
+    for path in list(kernels_dir().glob("*")) if kernels_dir().exists() else []:
+        path.unlink(missing_ok=True)
+        count += 1
+    if tuning and tuning_root().exists():
+        count += sum(1 for p in tuning_root().rglob("*") if p.is_file())
+        shutil.rmtree(tuning_root())
+    return count
+
+
+def _portable(path: Path) -> bool:
+    """What travels in an export: libraries, metadata, databases; not locks or logs."""
+    return not (path.suffix in (".lock", ".tmp") or "logs" in path.parts or path.name == "lock")
+
+
+def export_cache(archive: Path) -> int:
+    """Write kernels and tuning records to a .tar.gz; returns the number of files."""
+    import tarfile
+
+    root = cache_dir()
+    files = [
+        p
+        for sub in (kernels_dir(), tuning_root())
+        if sub.exists()
+        for p in sorted(sub.rglob("*"))
+        if p.is_file() and _portable(p.relative_to(root))
+    ]
+    with tarfile.open(archive, "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=str(p.relative_to(root)))
+    return len(files)
+
+
+def import_cache(archive: Path, force: bool = False) -> tuple[int, list[str]]:
+    """Unpack an exported cache into this one. Kernels built for another target are
+    skipped (they would not run here) unless ``force``; returns (files added, skipped)."""
+    import tarfile
+
+    root = cache_dir()
+    here = device_key("cpu")
+    added, skipped = 0, []
+    with tarfile.open(archive, "r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        foreign = _foreign_kernels(tar, members, here)
+        for member in members:
+            stem = Path(member.name).with_suffix("").name
+            if member.name.startswith("kernels/") and stem in foreign and not force:
+                if member.name.endswith(".so"):
+                    skipped.append(f"{stem} (built for {foreign[stem]}, this CPU is {here})")
+                continue
+            tar.extract(member, root, filter="data")  # no absolute paths or links out
+            added += 1
+    return added, skipped
+
+
+def _foreign_kernels(tar, members, here: str) -> dict[str, str]:
+    """Kernel stems whose metadata names a CPU target other than ``here``."""
+    foreign = {}
+    for m in members:
+        if m.name.startswith("kernels/") and m.name.endswith(".json"):
+            try:
+                key = json.loads(tar.extractfile(m).read()).get("key", {})
+            except (ValueError, AttributeError):
+                continue
+            if key.get("device", "cpu") == "cpu" and key.get("target") not in (None, here):
+                foreign[Path(m.name).with_suffix("").name] = key.get("target")
+    return foreign

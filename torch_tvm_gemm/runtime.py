@@ -98,8 +98,14 @@ def sync_threads() -> None:
     n = torch.get_num_threads()
     if n != _threads:
         ensure_runtime()
-        # (mode 1: bind to cores as TVM does by default; n threads)
+        # TVM pins the *calling* thread to a core when it binds its pool (mode 1: bind to
+        # cores as TVM does by default). Put the caller's affinity back: else every thread
+        # that torch starts later (its OpenMP pool) inherits one core, and a 2-thread
+        # torch.matmul then runs both threads there (seen: 256^3 at 2 GFLOPS instead of 200).
+        saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         tvm_ffi.get_global_func("runtime.config_threadpool")(1, n)
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
         _threads = n
 
 
