@@ -68,7 +68,10 @@ def _extension_kwargs() -> dict:
                     raise
                 _warn(f"the C++ extension failed to build ({err}); the Python impls will be used")
 
-    return {"ext_modules": [ext], "cmdclass": {"build_ext": _BuildExt.with_options(use_ninja=False)}}
+    return {
+        "ext_modules": [ext],
+        "cmdclass": {"build_ext": _BuildExt.with_options(use_ninja=False)},
+    }
 
 
 setup(

@@ -194,10 +194,15 @@ def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     return gemm(a, b, "kn", static_k=False, out=out)
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as 2-D ``(rows, last dim)``; unlike ``reshape(-1, K)`` also fine when K = 0."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _matmul_impl(a: Tensor, b: Tensor) -> Tensor:
     shape = check_matmul(a, b)
     if b.dim() == 2:  # (.., M, K) @ (K, N): one GEMM over all rows
-        return _matmul_2d(a.reshape(-1, a.shape[-1]), b).reshape(shape)
+        return _matmul_2d(_rows(a), b).reshape(shape)
     batch, m, n = shape
     a3 = a.expand(batch, m, a.shape[-1])
     b3 = b.expand(batch, *b.shape[-2:])
@@ -211,10 +216,8 @@ def _linear_impl(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
 ) -> Tensor:
     shape = check_linear(x, weight, bias, activation)
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    x2 = _rows(x) if x.dim() != 2 else x
     return gemm(x2, weight, "nk", bias, activation).reshape(shape)
-
-
 
 
 # --- fake kernels ---------------------------------------------------------------------------
@@ -381,6 +384,10 @@ def use_impl(path: str) -> str:
             _py_impls.impl("matmul", _matmul_impl, key)
             _py_impls.impl("linear", _linear_impl, key)
     _impl_path = path
+    # Python-side dispatch caches (used under the Python dispatcher, e.g. by AOTAutograd)
+    # may still point at the kernels just removed.
+    for name in ("matmul", "linear"):
+        getattr(torch.ops.tvm_gemm, name).default._dispatch_cache.clear()
     return previous
 
 
