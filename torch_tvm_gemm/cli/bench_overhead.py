@@ -43,16 +43,33 @@ def register(sub) -> None:
     p.add_argument(
         "--budget-ms", type=float, default=20.0, help="target length of one block (sets calls)"
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads for the run (0: leave torch's default); on a loaded "
+        "machine 1 avoids timing the wait for a descheduled worker thread",
+    )
+    p.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="wall: perf_counter; thread: CPU time of the calling thread (with --threads 1, "
+        "all the work: immune to time slices lost to other processes on a shared machine)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--no-python", action="store_true", help="skip the Python impl path")
     p.set_defaults(func=run)
 
 
+_clock = time.perf_counter
+
+
 def _block_us(fn: Callable[[], object], calls: int) -> float:
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (_clock() - start) / calls * 1e6
 
 
 def _calls_for(fn: Callable[[], object], budget_ms: float) -> int:
@@ -66,6 +83,10 @@ def run(args) -> int:
 
     from torch_tvm_gemm import _ext, ops
 
+    global _clock
+    _clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     paths = ["cpp"] if _ext.load() is not None else []
     if not args.no_python:
         paths.append("python")
@@ -86,7 +107,10 @@ def run(args) -> int:
     rows = []
     header = f"{'case':28s} {'torch us':>9s} {'cpp us':>8s} {'ratio':>6s} {'target':>7s}"
     header += f" {'python us':>10s} {'ratio':>6s}" if "python" in paths else ""
-    print(f"threads={torch.get_num_threads()}  repeats={args.repeats}  (median per call)")
+    print(
+        f"threads={torch.get_num_threads()}  repeats={args.repeats}  clock={args.clock}  "
+        "(median per call)"
+    )
     print(header)
     try:
         for case in CASES:
@@ -142,6 +166,7 @@ def run(args) -> int:
             "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
             "repeats": args.repeats,
+            "clock": args.clock,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "dispatch_floor": floor,
         }
