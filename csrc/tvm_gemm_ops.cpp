@@ -218,6 +218,12 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
                     cuda ? "cuda" : "cpu")
              .cast<tvm::ffi::Function>();
   } catch (const tvm::ffi::Error& err) {
+    // Raise the Python exception itself (kept by the handler), as the Python path would;
+    // only if it is gone, a torch error carrying its class name and text.
+    {
+      py::gil_scoped_acquire gil;
+      py::module_::import("torch_tvm_gemm.ops").attr("_reraise_kernel_error")();
+    }
     rethrow_ffi_error(err, "building or loading the kernel failed");
   }
   std::unique_lock<std::shared_mutex> lock(table_mutex());

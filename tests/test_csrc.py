@@ -190,6 +190,16 @@ def test_same_errors(name):
     assert py_err[1].startswith("tvm_gemm."), py_err
 
 
+def test_kernel_build_error_surfaces(impl, monkeypatch):
+    """A failure inside the Python miss handler reaches the caller unchanged."""
+    from torch_tvm_gemm.cache import KernelNotCachedError
+
+    monkeypatch.setenv("TVM_GEMM_NO_COMPILE", "1")
+    a, b = randn(3, 5), randn(5, 1013)  # N = 1013: a kernel no other test builds
+    with pytest.raises(KernelNotCachedError, match="TVM_GEMM_NO_COMPILE"):
+        mm(a, b)
+
+
 # --- safety: threads, leaks, switches ---------------------------------------------------------
 
 

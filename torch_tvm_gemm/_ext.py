@@ -32,14 +32,18 @@ def load() -> ModuleType | None:
     except (ImportError, OSError) as err:
         load_error = f"{type(err).__name__}: {err}"
         if not python_impl_requested():
-            _log.warning(
-                "torch_tvm_gemm: C++ extension not available (%s); using the slower Python op "
-                "impls (reinstall with `pip install --no-build-isolation .` to build it)",
-                load_error,
+            warn(
+                f"C++ extension not available ({load_error}); using the slower Python op "
+                "impls (reinstall with `pip install --no-build-isolation .` to build it)"
             )
         return None
     _module = _C
     return _module
+
+
+def warn(msg: str) -> None:
+    """One visible line on stderr (logging's last-resort handler prints just the message)."""
+    _log.warning("torch_tvm_gemm: %s", msg)
 
 
 def python_impl_requested() -> bool:

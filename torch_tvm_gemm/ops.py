@@ -9,6 +9,7 @@ the op, the argument and what was expected.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -316,6 +317,7 @@ torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_cont
 # below) and on bad input (to raise check_matmul / check_linear's own error). Exactly one impl
 # is registered per dispatch key; use_impl() switches, for tests and benchmarks.
 
+_cpp_miss = threading.local()  # the miss handler's last exception, per thread
 PY_IMPL_KEYS = ("CPU",)  # dispatch keys the Python impls serve
 _py_impls: torch.library.Library | None = None  # the Python registrations now active
 _impl_path = ""
@@ -331,7 +333,36 @@ def _kernel_for_cpp(
     variant: str,
     device: str,
 ):
-    """The C++ kernel table's miss handler: every GemmSpec field (k < 0: symbolic K)."""
+    """The C++ kernel table's miss handler: every GemmSpec field (k < 0: symbolic K).
+
+    An exception is also kept for ``_reraise_kernel_error`` (same thread): tvm-ffi hands C++
+    only its class name and text, and the caller should see the exception itself, as on the
+    Python path.
+    """
+    try:
+        return _get_kernel_for_cpp(dtype, n, k, b_layout, bias, activation, variant, device)
+    except BaseException as err:
+        _cpp_miss.error = err
+        raise
+
+
+def _reraise_kernel_error() -> None:
+    """Raise the exception the miss handler last kept on this thread (called from C++)."""
+    err, _cpp_miss.error = getattr(_cpp_miss, "error", None), None
+    if err is not None:
+        raise err
+
+
+def _get_kernel_for_cpp(
+    dtype: str,
+    n: int,
+    k: int,
+    b_layout: str,
+    bias: bool,
+    activation: str,
+    variant: str,
+    device: str,
+):
     spec = GemmSpec(
         dtype=dtype,
         n=n,
@@ -396,7 +427,14 @@ def _init_impls() -> None:
     if ext is not None:
         tvm_ffi.register_global_func("tvm_gemm.get_kernel", _kernel_for_cpp, override=True)
         on_clear_table(ext.clear_table)
-    use_impl("cpp" if ext is not None and not _ext.python_impl_requested() else "python")
+    if ext is None or _ext.python_impl_requested():
+        use_impl("python")
+        return
+    try:
+        use_impl("cpp")
+    except Exception as err:  # e.g. an extension older than this ops.py: keep working
+        _ext.warn(f"cannot register the C++ op impls ({err}); using the Python ones")
+        use_impl("python")
 
 
 _init_impls()
