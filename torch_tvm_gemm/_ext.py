@@ -7,6 +7,7 @@ on one line. ``TVM_GEMM_PYTHON_IMPL=1`` selects the Python impls even when it is
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from types import ModuleType
@@ -28,6 +29,8 @@ def load() -> ModuleType | None:
     try:
         import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so globally: the extension links to it)
 
+        if importlib.util.find_spec(f"{__package__}._C") is None:
+            raise ImportError("not built: the package was installed without it")
         from . import _C
     except (ImportError, OSError) as err:
         load_error = f"{type(err).__name__}: {err}"

@@ -418,7 +418,9 @@ def use_impl(path: str) -> str:
     # Python-side dispatch caches (used under the Python dispatcher, e.g. by AOTAutograd)
     # may still point at the kernels just removed.
     for name in ("matmul", "linear"):
-        getattr(torch.ops.tvm_gemm, name).default._dispatch_cache.clear()
+        cache = getattr(getattr(torch.ops.tvm_gemm, name).default, "_dispatch_cache", None)
+        if cache is not None:  # a private torch attribute: tolerate its absence
+            cache.clear()
     return previous
 
 
