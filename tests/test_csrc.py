@@ -296,7 +296,8 @@ def test_use_impl_rejects_unknown_path():
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **env}
+    full_env = {k: v for k, v in os.environ.items() if k != _ext.ENV_PYTHON_IMPL}
+    full_env.update(env)
     return subprocess.run(
         [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120
     )
