@@ -164,7 +164,9 @@ struct KernelKey {
 struct KernelKeyHash {
   size_t operator()(const KernelKey& key) const {
     size_t h = std::hash<const void*>()(key.dtype);
-    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+    auto mix = [&h](uint64_t v) {  // boost-style hash_combine
+      h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    };
     mix(static_cast<uint64_t>(key.n));
     mix(static_cast<uint64_t>(key.k));
     mix((key.b_nk ? 1u : 0u) | (key.bias ? 2u : 0u) | (key.gemv ? 4u : 0u) |
@@ -443,7 +445,7 @@ class AutogradFastPath final : public c10::OperatorKernel {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Registration, driven from Python (torch_tvm_gemm/_ext.py).
+// Registration, driven from Python (ops.use_impl).
 
 // Leaked on purpose, like the table: deregistering from a static destructor at exit could run
 // after the dispatcher itself is gone.
@@ -467,8 +469,9 @@ void register_autograd_fast_path(c10::DispatchKey autograd_key) {
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "tvm_gemm", autograd_key,
                                               __FILE__, __LINE__);
   for (const char* name : kOps) {
+    const std::string qualified = std::string("tvm_gemm::") + name;
     const c10::OperatorHandle op =
-        c10::Dispatcher::singleton().findSchemaOrThrow((std::string("tvm_gemm::") + name).c_str(), "");
+        c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
     c10::SafeKernelFunction python_autograd = op.getComputedKernelForDispatchKey(autograd_key);
     lib->impl(name, torch::CppFunction::makeFromBoxedFunctor(
                         std::make_unique<AutogradFastPath>(std::move(python_autograd))));
