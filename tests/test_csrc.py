@@ -172,6 +172,61 @@ BAD_CALLS = {
 }
 
 
+def _outcome(path: str, call):
+    """("ok", result) or ("error", type, message) of ``call`` on one path."""
+
+    def run():
+        try:
+            return ("ok", call())
+        except Exception as err:  # noqa: BLE001 (compared between the paths)
+            return ("error", type(err), str(err))
+
+    return _run_on(path, run)
+
+
+@needs_ext
+def test_random_calls_agree():
+    """Random ranks, sizes (incl. 0), dtypes and epilogues: both paths succeed with the same
+    bits or fail with the same error. Sizes are drawn from a few values so that only a handful
+    of kernels get built."""
+    g = torch.Generator().manual_seed(1234)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    def tensor(rank: int, last: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        dims = [pick([0, 1, 3]) for _ in range(rank - len(last))] + list(
+            last[-rank:] if rank else []
+        )
+        if pick(range(10)) == 0:  # now and then one tensor of another dtype
+            dtype = pick([torch.float64, torch.int64, torch.complex64])
+        if dtype == torch.int64:
+            return torch.ones(dims, dtype=dtype)
+        return torch.randn(dims, generator=g).to(dtype)
+
+    for i in range(300):
+        k, n = pick([3] * 7 + [2]), pick([3, 3, 3, 0])
+        dtype = pick([torch.float32] * 8 + [torch.float64, torch.int64])
+        if i % 2 == 0:
+            a = tensor(pick([1, 2, 2, 2, 3, 3, 4]), (pick([1, 3]), k), dtype)
+            b = tensor(pick([1, 2, 2, 2, 3, 3]), (3, n), dtype)
+            call = lambda a=a, b=b: mm(a, b)  # noqa: E731
+        else:
+            x = tensor(pick([0, 1, 2, 2, 2, 3]), (k,), dtype)
+            w = tensor(pick([2, 2, 2, 1]), (n, 3), dtype)
+            bias = pick(
+                [None, tensor(1, (n,), dtype), tensor(1, (n,), dtype), tensor(1, (2,), dtype)]
+            )
+            act = pick(["none", "relu", "gelu"] * 3 + ["sigmoid"])
+            call = lambda x=x, w=w, bias=bias, act=act: lin(x, w, bias, act)  # noqa: E731
+        cpp, py = _outcome("cpp", call), _outcome("python", call)
+        assert cpp[0] == py[0], (i, cpp, py)
+        if cpp[0] == "ok":
+            assert torch.equal(cpp[1], py[1]), i
+        else:
+            assert cpp[1:] == py[1:], i
+
+
 def _error_of(path: str, call) -> tuple[type, str]:
     def run():
         with pytest.raises(Exception) as info:
