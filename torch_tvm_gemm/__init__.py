@@ -4,6 +4,8 @@
     y = torch.ops.tvm_gemm.matmul(a, b)              # or torch_tvm_gemm.matmul(a, b)
     y = torch_tvm_gemm.linear(x, w, b, "relu")       # relu(x @ w.T + b), one fused kernel
     model = torch_tvm_gemm.swap_linear(model)        # nn.Linear -> TVMLinear, in place
+    y = torch_tvm_gemm.conv2d_bias_relu(x, w, b, stride=1, padding=1)  # relu(conv2d + b)
+    model = torch_tvm_gemm.convert(model)            # FX: conv+bias+relu fusion + linears
 
 Kernels are compiled on first use for this machine and cached on disk
 (``TVM_GEMM_CACHE_DIR``, default ``~/.cache/torch_tvm_gemm``); a warm cache needs only the
@@ -16,9 +18,17 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
+from .fusion import FusionSummary, TVMConv2dBiasReLU, convert, fuse_conv_bias_relu
 from .nn import TVMLinear, swap_linear, unswap_linear
 
 __all__ = ["matmul", "linear", "TVMLinear", "swap_linear", "unswap_linear"]
+__all__ += [
+    "conv2d_bias_relu",
+    "TVMConv2dBiasReLU",
+    "fuse_conv_bias_relu",
+    "convert",
+    "FusionSummary",
+]
 __version__ = "0.1.0"
 
 
@@ -43,3 +53,29 @@ def linear(
     applied once to the final sum. Differentiable; works under ``torch.compile``.
     """
     return torch.ops.tvm_gemm.linear(x, weight, bias, activation)
+
+
+def conv2d_bias_relu(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    """``F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))`` in one kernel.
+
+    ``x`` is ``(N, C, H, W)``, ``weight`` ``(K, C/groups, R, S)``, ``bias`` ``(K,)`` or None;
+    ``relu=False`` gives the plain conv. Any groups (depthwise included). The bias is added
+    once to the final sum, then relu. Dtypes float32, float64, bfloat16, float16 (the narrow
+    ones accumulate in float32). Differentiable; works under ``torch.compile``.
+    """
+
+    def pair(v):
+        return [v, v] if isinstance(v, int) else list(v)
+
+    return torch.ops.tvm_gemm.conv2d_bias_relu(
+        x, weight, bias, pair(stride), pair(padding), pair(dilation), groups, relu
+    )

@@ -15,6 +15,8 @@ import sys
 COMMAND_MODULES = [
     "torch_tvm_gemm.cli.demo",
     "torch_tvm_gemm.cli.bench_overhead",
+    "torch_tvm_gemm.cli.bench",
+    "torch_tvm_gemm.cli.bench_conv",
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 # (family, device) -> "module:function" taking the spec and returning a scheduled IRModule.
 SCHEDULES: dict[tuple[str, str], str] = {
     ("gemm", "cpu"): "torch_tvm_gemm.schedules.cpu:schedule_gemm",
+    ("conv2d", "cpu"): "torch_tvm_gemm.schedules.cpu_conv2d:schedule_conv2d",
 }
 
 # Schedule versions are part of the cache key, so that a changed schedule is rebuilt.

@@ -8,6 +8,7 @@ the op, the argument and what was expected.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -37,16 +38,32 @@ _DTYPE_NAMES = {
 # --- validation (shared by fake and real kernels) -------------------------------------------
 
 
+def _require(cond, exc: type[Exception], message: Callable[[], str]) -> None:
+    """Raise ``exc(message())`` unless ``cond``.
+
+    A plain bool (real tensors) is tested directly, the hot path; a SymBool (fake tensors
+    under torch.compile with dynamic shapes) goes through ``torch._check_with``, which
+    records it as a runtime assertion instead of specialising the graph.
+    """
+    if cond is True:
+        return
+    if cond is False:
+        raise exc(message())
+    torch._check_with(exc, cond, message)
+
+
 def _check_tensor(op: str, name: str, t: Tensor, ranks: tuple[int, ...]) -> None:
-    torch._check_type(
+    _require(
         t.dtype in SUPPORTED_DTYPES,
+        TypeError,
         lambda: (
             f"tvm_gemm.{op}: argument '{name}' must be float32, float64, bfloat16 or "
             f"float16, got {t.dtype}"
         ),
     )
-    torch._check_value(
+    _require(
         t.dim() in ranks,
+        ValueError,
         lambda: (
             f"tvm_gemm.{op}: argument '{name}' must be "
             f"{' or '.join(f'{r}-D' for r in ranks)}, got a {t.dim()}-D tensor of shape "
@@ -57,15 +74,17 @@ def _check_tensor(op: str, name: str, t: Tensor, ranks: tuple[int, ...]) -> None
 
 def _check_same(op: str, first: tuple[str, Tensor], other: tuple[str, Tensor]) -> None:
     (n1, t1), (n2, t2) = first, other
-    torch._check_type(
+    _require(
         t1.dtype == t2.dtype,
+        TypeError,
         lambda: (
             f"tvm_gemm.{op}: argument '{n2}' has dtype {t2.dtype} but '{n1}' has "
             f"{t1.dtype}; mixed dtypes are not supported (convert one of them)"
         ),
     )
-    torch._check(
+    _require(
         t1.device == t2.device,
+        RuntimeError,
         lambda: (
             f"tvm_gemm.{op}: argument '{n2}' is on {t2.device} but '{n1}' is on "
             f"{t1.device}; all tensors must be on one device"
@@ -78,8 +97,9 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
     _check_tensor("matmul", "a", a, (2, 3))
     _check_tensor("matmul", "b", b, (2, 3))
     _check_same("matmul", ("a", a), ("b", b))
-    torch._check_value(
+    _require(
         a.shape[-1] == b.shape[-2],
+        ValueError,
         lambda: (
             f"tvm_gemm.matmul: inner dims differ: a is {tuple(a.shape)}, b is "
             f"{tuple(b.shape)} (a.shape[-1] must equal b.shape[-2])"
@@ -92,8 +112,9 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
         return [a.shape[0], m, n]
     ba = a.shape[0] if a.dim() == 3 else 1
     bb = b.shape[0]
-    torch._check_value(
+    _require(
         ba == bb or ba == 1 or bb == 1,
+        ValueError,
         lambda: (
             f"tvm_gemm.matmul: batch dims of a {tuple(a.shape)} and b {tuple(b.shape)} "
             "cannot be broadcast"
@@ -104,8 +125,9 @@ def check_matmul(a: Tensor, b: Tensor) -> list[int]:
 
 def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> list[int]:
     """Validate ``linear(x, weight, bias, activation)``; return the output shape."""
-    torch._check_value(
+    _require(
         activation in ACTIVATIONS,
+        ValueError,
         lambda: (
             f"tvm_gemm.linear: argument 'activation' must be one of {ACTIVATIONS}, "
             f"got {activation!r}"
@@ -114,8 +136,9 @@ def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
     _check_tensor("linear", "x", x, tuple(range(1, 9)))
     _check_tensor("linear", "weight", weight, (2,))
     _check_same("linear", ("x", x), ("weight", weight))
-    torch._check_value(
+    _require(
         x.shape[-1] == weight.shape[1],
+        ValueError,
         lambda: (
             f"tvm_gemm.linear: x has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
             f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)} = (out, in))"
@@ -124,8 +147,9 @@ def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
     if bias is not None:
         _check_tensor("linear", "bias", bias, (1,))
         _check_same("linear", ("x", x), ("bias", bias))
-        torch._check_value(
+        _require(
             bias.shape[0] == weight.shape[0],
+            ValueError,
             lambda: (
                 f"tvm_gemm.linear: argument 'bias' must have shape ({weight.shape[0]},) "
                 f"to match weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
@@ -145,6 +169,10 @@ _ACT_FN: dict[str, Callable[[Tensor], Tensor]] = {
 
 def _device_name(t: Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu"
+
+
+# Interned specs: a call reuses the spec object rather than building and validating a new one.
+_spec = functools.lru_cache(maxsize=4096)(GemmSpec)
 
 
 def gemm(
@@ -169,15 +197,15 @@ def gemm(
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
         zero = bias.expand(m, n) if bias is not None else torch.zeros_like(out)
         return out.copy_(_ACT_FN[activation](zero))
-    spec = GemmSpec(
-        dtype=_DTYPE_NAMES[a.dtype],
-        n=n,
-        k=k if static_k else None,
-        b_layout=b_layout,
-        bias=bias is not None,
-        activation=activation,
-        variant="gemv" if m <= GEMV_MAX_M else "gemm",
-        device=_device_name(a),
+    spec = _spec(
+        _DTYPE_NAMES[a.dtype],
+        n,
+        k if static_k else None,
+        b_layout,
+        bias is not None,
+        activation,
+        "gemv" if m <= GEMV_MAX_M else "gemm",
+        _device_name(a),
     )
     kernel = get_kernel(spec)
     sync_threads()
@@ -188,16 +216,16 @@ def gemm(
     return out
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as a 2-D (rows, last dim) matrix (reshape(-1, 0) is ambiguous when empty)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     # A transposed contiguous b (b = w.T, as in a Linear backward) is read in place as "nk".
     if not b.is_contiguous() and b.t().is_contiguous():
         return gemm(a, b.t(), "nk", static_k=False, out=out)
     return gemm(a, b, "kn", static_k=False, out=out)
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as 2-D ``(rows, last dim)``; unlike ``reshape(-1, K)`` also fine when K = 0."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _matmul_impl(a: Tensor, b: Tensor) -> Tensor:
@@ -217,8 +245,7 @@ def _linear_impl(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
 ) -> Tensor:
     shape = check_linear(x, weight, bias, activation)
-    x2 = _rows(x) if x.dim() != 2 else x
-    return gemm(x2, weight, "nk", bias, activation).reshape(shape)
+    return gemm(_rows(x), weight, "nk", bias, activation).reshape(shape)
 
 
 # --- fake kernels ---------------------------------------------------------------------------
@@ -255,8 +282,7 @@ def _matmul_backward(ctx, grad: Tensor):
         grad_a = mm(grad, b.transpose(-1, -2)).sum_to_size(ctx.a_shape)
     if ctx.needs_input_grad[1]:  # dB = A^T @ dC
         if len(ctx.b_shape) == 2:  # shared B: one GEMM over all rows of the batch
-            k, n = ctx.b_shape
-            grad_b = mm(a.reshape(-1, k).t(), grad.reshape(-1, n))
+            grad_b = mm(_rows(a).t(), _rows(grad))
         else:
             grad_b = mm(a.transpose(-1, -2), grad).sum_to_size(ctx.b_shape)
     return grad_a, grad_b
@@ -294,20 +320,242 @@ def _linear_backward(ctx, grad: Tensor):
     elif ctx.activation == "gelu":
         z = torch.ops.tvm_gemm.linear(x, weight, bias, "none")
         grad = grad * _gelu_grad(z)
-    n, k = weight.shape
-    grad2 = grad.reshape(-1, n)
+    grad2 = _rows(grad)
     mm = torch.ops.tvm_gemm.matmul
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:  # dX = dZ @ W
         grad_x = mm(grad2, weight).reshape(x.shape)
     if ctx.needs_input_grad[1]:  # dW = dZ^T @ X
-        grad_w = mm(grad2.t(), x.reshape(-1, k))
+        grad_w = mm(grad2.t(), _rows(x))
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = grad2.sum(0)
     return grad_x, grad_w, grad_b, None
 
 
 torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_context=_linear_setup)
+
+
+# --- conv2d + bias + relu -------------------------------------------------------------------
+# One section for the conv op (schema, validation, CPU impl, fake kernel, autograd), kept
+# together so that it merges apart from the GEMM ops above.
+
+import weakref  # noqa: E402
+
+from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
+from .schedules.cpu_conv2d import weight_block  # noqa: E402
+
+LIB.define(
+    "conv2d_bias_relu(Tensor x, Tensor weight, Tensor? bias, int[2] stride=1, "
+    "int[2] padding=0, int[2] dilation=1, int groups=1, bool relu=True) -> Tensor"
+)
+
+_CONV = "conv2d_bias_relu"
+
+
+def _pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
+    """``value`` (an int or a sequence of 2 ints) as a pair, each at least ``minimum``."""
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    torch._check_value(
+        len(pair) == 2 and all(isinstance(v, int) and v >= minimum for v in pair),
+        lambda: (
+            f"tvm_gemm.{op}: argument '{name}' must be an int or 2 ints, each >= {minimum}, "
+            f"got {value}"
+        ),
+    )
+    return pair
+
+
+def check_conv2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+) -> list[int]:
+    """Validate ``conv2d_bias_relu``; return the output shape ``[N, K, OH, OW]``."""
+    op = _CONV
+    _check_tensor(op, "x", x, (4,))
+    _check_tensor(op, "weight", weight, (4,))
+    _check_same(op, ("x", x), ("weight", weight))
+    stride = _pair(op, "stride", stride, 1)
+    padding = _pair(op, "padding", padding, 0)
+    dilation = _pair(op, "dilation", dilation, 1)
+    k, cg, r, s = weight.shape
+    torch._check_value(
+        isinstance(groups, int) and groups >= 1 and k % groups == 0,
+        lambda: (
+            f"tvm_gemm.{op}: argument 'groups' must be a positive divisor of the "
+            f"{k} output channels of weight {tuple(weight.shape)}, got {groups}"
+        ),
+    )
+    torch._check_value(
+        x.shape[1] == cg * groups,
+        lambda: (
+            f"tvm_gemm.{op}: given groups={groups}, weight of shape {tuple(weight.shape)} "
+            f"expects x to have {cg * groups} channels, but x {tuple(x.shape)} has "
+            f"{x.shape[1]} (x is (N, C, H, W), weight (K, C/groups, R, S))"
+        ),
+    )
+    if bias is not None:
+        _check_tensor(op, "bias", bias, (1,))
+        _check_same(op, ("x", x), ("bias", bias))
+        torch._check_value(
+            bias.shape[0] == k,
+            lambda: (
+                f"tvm_gemm.{op}: argument 'bias' must have shape ({k},), one value per "
+                f"output channel of weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
+            ),
+        )
+    out_hw = []
+    for dim, size, kernel in ((0, x.shape[2], r), (1, x.shape[3], s)):
+        extent = dilation[dim] * (kernel - 1) + 1
+        padded = size + 2 * padding[dim]
+        torch._check_value(
+            padded >= extent,
+            lambda size=size, kernel=kernel, dim=dim, padded=padded, extent=extent: (
+                f"tvm_gemm.{op}: the output would be empty: x {tuple(x.shape)} padded by "
+                f"padding={list(padding)} has {'height' if dim == 0 else 'width'} {padded}, "
+                f"smaller than the kernel's {kernel} taps at dilation={list(dilation)} "
+                f"({extent})"
+            ),
+        )
+        out_hw.append((padded - extent) // stride[dim] + 1)
+    return [x.shape[0], k, *out_hw]
+
+
+def _conv2d_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if weight.shape[1] == 0:  # no input channels: an empty sum
+        zero = bias.view(1, -1, 1, 1).expand(shape) if bias is not None else out.zero_()
+        return out.copy_(torch.relu(zero) if relu else zero)
+    n, c, h, w = x.shape
+    k, _, r, s = weight.shape
+    spec = Conv2dSpec(
+        dtype=_DTYPE_NAMES[x.dtype],
+        c=c,
+        k=k,
+        r=r,
+        s=s,
+        h=h,
+        w=w,
+        stride=_pair(_CONV, "stride", stride, 1),
+        padding=_pair(_CONV, "padding", padding, 0),
+        dilation=_pair(_CONV, "dilation", dilation, 1),
+        groups=groups,
+        bias=bias is not None,
+        relu=relu,
+        device=_device_name(x),
+    )
+    kernel = get_kernel(spec)
+    sync_threads()
+    kb = weight_block(spec)
+    w_arg = weight.contiguous() if kb is None else _packed_weight(weight, kb, spec.acc_dtype)
+    args = [x.contiguous(), w_arg]
+    if bias is not None:
+        args.append(bias.contiguous())
+    kernel(*args, out)
+    return out
+
+
+# id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
+# used only while the weight is the same object with the same storage and version (an
+# in-place update, e.g. an optimizer step, bumps the version), and dropped with the weight.
+_PACKED: dict[int, tuple] = {}
+
+
+def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
+    """``weight`` in the blocked kernels' layout, packed once and reused while unchanged."""
+    dtype = getattr(torch, acc_dtype)
+    try:
+        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), kb, dtype)
+    except RuntimeError:  # an inference tensor has no version counter: pack every time
+        return pack_weight(weight, kb, dtype)
+    key = id(weight)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == ident:
+        return hit[2]
+    packed = pack_weight(weight, kb, dtype)
+    ref = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
+    _PACKED[key] = (ref, ident, packed)
+    return packed
+
+
+LIB.impl(_CONV, _conv2d_impl, "CPU")
+
+
+@torch.library.register_fake("tvm_gemm::conv2d_bias_relu")
+def _conv2d_fake(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    return x.new_empty(check_conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+
+_CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True]  # bias ... relu
+
+
+def _conv2d_setup(ctx, inputs, output) -> None:
+    # Trailing arguments equal to their defaults may be left out by the dispatcher.
+    x, weight, bias, stride, padding, dilation, groups, relu = (
+        list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :]
+    )[:8]
+    ctx.geometry = (
+        list(_pair(_CONV, "stride", stride, 1)),
+        list(_pair(_CONV, "padding", padding, 0)),
+        list(_pair(_CONV, "dilation", dilation, 1)),
+        groups,
+    )
+    ctx.bias_sizes = None if bias is None else list(bias.shape)
+    # relu's derivative needs only the output: the pre-activation is never kept.
+    ctx.save_for_backward(x, weight, output if relu else None)
+
+
+def _conv2d_backward(ctx, grad: Tensor):
+    x, weight, output = ctx.saved_tensors
+    if output is not None:
+        grad = grad * (output > 0)
+    stride, padding, dilation, groups = ctx.geometry
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight,
+        ctx.bias_sizes,
+        stride,
+        padding,
+        dilation,
+        False,  # transposed
+        [0, 0],  # output_padding
+        groups,
+        [need_x, need_w, need_b and ctx.bias_sizes is not None],
+    )
+    return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tvm_gemm::conv2d_bias_relu", _conv2d_backward, setup_context=_conv2d_setup
+)
 
 
 # --- which impls serve real tensors: C++ (csrc/, the fast path) or the Python ones above ----

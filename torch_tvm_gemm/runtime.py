@@ -43,6 +43,10 @@ def ensure_runtime() -> None:
         return
     with _lock:
         if not _runtime_loaded:
+            # TVM sizes its pool once, from TVM_NUM_THREADS, else half the hardware threads
+            # on x86 (it assumes hyper-threading): 1 thread on a 2-core VM. Size it to the
+            # cores we may run on; sync_threads() then uses as many as torch does.
+            os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
             ctypes.CDLL(str(tvm_lib_dir() / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
             _runtime_loaded = True
 

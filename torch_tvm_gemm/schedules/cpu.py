@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 1  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 2  # bump when a schedule changes the binary: it is part of the cache key
 GEMV_MAX_M = 16  # ops.py picks the "gemv" variant for M at or below this
 
 
@@ -63,7 +63,6 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
         sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
     else:
         sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
-    sch.parallel(sch.get_loops(b_pad)[0])
 
     i, j, k = sch.get_loops(acc)
     io, ii = sch.split(i, [None, mr])
@@ -76,6 +75,9 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.unroll(jio)
     sch.vectorize(jii)
     sch.parallel(jo)
+    # Pack each panel right before its use, by the thread that uses it, while it is in
+    # cache (measured +5-10% at M=256 over packing all of B first).
+    sch.compute_at(b_pad, jo)
     sch.decompose_reduction(acc, k)
 
 

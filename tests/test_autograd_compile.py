@@ -1,0 +1,107 @@
+"""The ops as PyTorch sees them: opcheck, gradcheck, torch.compile, torch.export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DTYPES, assert_close, randn
+
+import torch_tvm_gemm as tg
+
+MATMUL_CASES = [
+    ((7, 33), (33, 5)),
+    ((3, 7, 33), (33, 5)),
+    ((2, 5, 9), (2, 9, 4)),
+    ((1, 5, 9), (3, 9, 4)),
+]
+LINEAR_CASES = [
+    ((7, 33), (5, 33), True, "relu"),
+    ((2, 3, 9), (4, 9), False, "gelu"),
+    ((17, 9), (4, 9), True, "none"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sa,sb", MATMUL_CASES)
+def test_opcheck_matmul(sa, sb, dtype):
+    a = randn(*sa, dtype=dtype).requires_grad_(dtype != torch.float16)
+    b = randn(*sb, dtype=dtype)
+    torch.library.opcheck(torch.ops.tvm_gemm.matmul, (a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sx,sw,has_bias,act", LINEAR_CASES)
+def test_opcheck_linear(sx, sw, has_bias, act, dtype):
+    x = randn(*sx, dtype=dtype).requires_grad_()
+    w = randn(*sw, dtype=dtype).requires_grad_()
+    b = randn(sw[0], dtype=dtype) if has_bias else None
+    torch.library.opcheck(torch.ops.tvm_gemm.linear, (x, w, b, act))
+
+
+@pytest.mark.parametrize("sa,sb", MATMUL_CASES)
+def test_gradcheck_matmul(sa, sb):
+    a = randn(*sa, dtype=torch.float64).requires_grad_()
+    b = randn(*sb, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(tg.matmul, (a, b))
+
+
+@pytest.mark.parametrize("sx,sw,has_bias,act", LINEAR_CASES)
+def test_gradcheck_linear(sx, sw, has_bias, act):
+    x = randn(*sx, dtype=torch.float64).requires_grad_()
+    w = randn(*sw, dtype=torch.float64).requires_grad_()
+    b = randn(sw[0], dtype=torch.float64).requires_grad_() if has_bias else None
+    assert torch.autograd.gradcheck(lambda x, w, b: tg.linear(x, w, b, act), (x, w, b))
+
+
+def test_grads_match_torch_float32():
+    x = randn(20, 33).requires_grad_()
+    w, b = randn(17, 33).requires_grad_(), randn(17).requires_grad_()
+    tg.linear(x, w, b, "gelu").square().sum().backward()
+    grads = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.gelu(F.linear(x, w, b)).square().sum().backward()
+    for got, t in zip(grads, (x, w, b), strict=True):
+        assert_close(got, t.grad, 33)
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.b1 = torch.nn.Parameter(randn(32, 16)), torch.nn.Parameter(randn(32))
+            self.w2 = torch.nn.Parameter(randn(32, 8))
+
+        def forward(self, x):
+            h = torch.ops.tvm_gemm.linear(x, self.w1, self.b1, "relu")
+            return torch.ops.tvm_gemm.matmul(h, self.w2)
+
+    net = Net()
+    x = randn(5, 16)
+    compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    ref = F.relu(F.linear(x, net.w1, net.b1)) @ net.w2
+    assert_close(out, ref, 32)
+    out.sum().backward()
+    got = net.w1.grad.clone()
+    net.zero_grad()
+    ref.sum().backward()
+    assert_close(got, net.w1.grad, 32)
+
+
+def test_torch_compile_inductor():
+    fn = torch.compile(lambda x, w, b: tg.linear(x, w, b, "gelu") * 2, fullgraph=True)
+    x, w, b = randn(9, 16), randn(8, 16), randn(8)
+    assert_close(fn(x, w, b), F.gelu(F.linear(x, w, b)) * 2, 16)
+
+
+def test_torch_export():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = randn(3, 16)
+    ref = model(x)
+    tg.swap_linear(model)
+    exported = torch.export.export(model, (x,))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert "tvm_gemm.linear.default" in targets
+    assert_close(exported.module()(x), ref, 16)

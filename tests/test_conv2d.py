@@ -1,0 +1,191 @@
+"""tvm_gemm.conv2d_bias_relu against F.relu(F.conv2d(...)): values, layouts, errors, autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DTYPES, assert_close, randn
+
+import torch_tvm_gemm as tg
+
+op = torch.ops.tvm_gemm.conv2d_bias_relu
+
+
+def reference(x, w, b, stride=1, padding=0, dilation=1, groups=1, relu=True):
+    """The torch result, computed in float64 from the same (rounded) inputs."""
+    y = F.conv2d(
+        x.double(), w.double(), None if b is None else b.double(), stride, padding, dilation, groups
+    )
+    return F.relu(y) if relu else y
+
+
+# (N, C, H, W, K, kernel, stride, padding, dilation, groups): odd sizes, every kernel size.
+CASES = [
+    (1, 3, 13, 17, 8, 3, 1, 1, 1, 1),
+    (2, 5, 9, 11, 7, 3, 2, 1, 1, 1),
+    (3, 16, 10, 7, 33, 1, 1, 0, 1, 1),
+    (1, 6, 15, 12, 20, 5, 1, 2, 1, 1),
+    (2, 4, 19, 21, 16, 7, 2, 3, 1, 1),
+    (1, 8, 14, 13, 12, 3, (2, 1), (0, 2), (2, 1), 1),
+    (2, 7, 8, 9, 5, 1, 2, 0, 1, 1),
+]
+
+
+def _case_id(case) -> str:
+    n, c, h, w, k, r, s, p, d, g = case
+    return f"n{n}c{c}{h}x{w}k{k}r{r}s{s}p{p}d{d}g{g}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_torch(case, dtype):
+    n, c, h, w, k, r, stride, padding, dilation, groups = case
+    x, wt, b = randn(n, c, h, w, dtype=dtype), randn(k, c // groups, r, r, dtype=dtype), None
+    b = randn(k, dtype=dtype)
+    y = tg.conv2d_bias_relu(x, wt, b, stride, padding, dilation, groups)
+    assert y.dtype == dtype and y.is_contiguous()
+    assert_close(y, reference(x, wt, b, stride, padding, dilation, groups), k=c * r * r)
+
+
+@pytest.mark.parametrize(
+    "groups, c, k",
+    [(2, 32, 64), (8, 8, 8), (3, 6, 9), (4, 8, 16)],
+    ids=["blocked-2", "depthwise", "odd-3", "mult-2"],
+)
+def test_groups(groups, c, k):
+    x, w, b = randn(2, c, 9, 10), randn(k, c // groups, 3, 3), randn(k)
+    y = tg.conv2d_bias_relu(x, w, b, 1, 1, groups=groups)
+    assert_close(y, reference(x, w, b, 1, 1, groups=groups), k=c // groups * 9)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("relu", [True, False])
+def test_bias_and_relu_flags(bias, relu):
+    x, w = randn(2, 5, 9, 8), randn(6, 5, 3, 3)
+    b = randn(6) if bias else None
+    y = op(x, w, b, [1, 1], [1, 1], [1, 1], 1, relu)
+    assert_close(y, reference(x, w, b, 1, 1, relu=relu), k=45)
+    if not relu:
+        assert (y < 0).any()
+
+
+def test_relu_once_on_the_final_sum():
+    """The bias is added once and relu applied to the final sum, not to partial sums."""
+    x = torch.ones(1, 1, 2, 2)
+    w = torch.tensor([[[[-5.0, 3.0], [3.0, 1.0]]]])  # partial sums go negative first
+    y = op(x, w, torch.tensor([-1.5]))
+    assert y.item() == 0.5  # -5 + 3 + 3 + 1 - 1.5
+    y = op(x, w, torch.tensor([-2.5]))
+    assert y.item() == 0.0
+
+
+def test_any_batch_one_kernel():
+    """N is symbolic: batches of 1 and 5 give right results with one kernel."""
+    w, b = randn(8, 3, 3, 3), randn(8)
+    for n in (1, 5, 2):
+        x = randn(n, 3, 11, 9)
+        assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, 1, 1), k=27)
+
+
+def test_layouts():
+    x, w, b = randn(2, 6, 11, 13), randn(8, 6, 3, 3), randn(8)
+    expected = reference(x, w, b, 1, 1)
+    cl = x.to(memory_format=torch.channels_last)
+    assert_close(op(cl, w, b, [1, 1], [1, 1]), expected, k=54)
+    big = randn(2, 12, 11, 26)
+    sliced = big[:, ::2, :, ::2]  # non-contiguous view
+    assert_close(op(sliced, w, b, [1, 1], [1, 1]), reference(sliced, w, b, 1, 1), k=54)
+    wt = randn(6, 8, 3, 3).transpose(0, 1)  # non-contiguous weight
+    assert_close(op(x, wt, b, [1, 1], [1, 1]), reference(x, wt, b, 1, 1), k=54)
+
+
+def test_empty_batch_and_channels():
+    y = op(torch.randn(0, 3, 8, 8), torch.randn(4, 3, 3, 3), None)
+    assert y.shape == (0, 4, 6, 6)
+    b = torch.tensor([1.0, -1.0])
+    y = op(torch.randn(2, 0, 5, 5), torch.randn(2, 0, 3, 3), b)
+    assert torch.equal(y, F.relu(b).view(1, 2, 1, 1).expand(2, 2, 3, 3))
+
+
+BAD = [
+    ((2, 3, 8, 8), (4, 5, 3, 3), 4, {}, r"given groups=1.*expects x to have 5 channels"),
+    ((2, 3, 8, 8), (4, 3, 3), 4, {}, r"argument 'weight' must be 4-D"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), 5, {}, r"argument 'bias' must have shape \(4,\)"),
+    ((3, 8, 8), (4, 3, 3, 3), 4, {}, r"argument 'x' must be 4-D"),
+    ((2, 3, 4, 4), (4, 3, 5, 5), 4, {}, r"output would be empty"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), 4, {"dilation": [4, 4]}, r"output would be empty"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), 4, {"stride": [0, 1]}, r"argument 'stride'"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), 4, {"padding": [-1, 0]}, r"argument 'padding'"),
+    ((2, 4, 8, 8), (6, 2, 3, 3), 6, {"groups": 4}, r"argument 'groups'"),
+]
+
+
+@pytest.mark.parametrize("xs, ws, bn, kwargs, match", BAD)
+def test_bad_input(xs, ws, bn, kwargs, match):
+    with pytest.raises(ValueError, match=r"tvm_gemm\.conv2d_bias_relu: .*" + match):
+        op(torch.randn(xs), torch.randn(ws), torch.randn(bn), **kwargs)
+
+
+def test_bad_dtypes():
+    x, w = torch.randn(1, 3, 5, 5), torch.randn(2, 3, 3, 3)
+    with pytest.raises(TypeError, match="argument 'weight' has dtype torch.float64"):
+        op(x, w.double(), None)
+    with pytest.raises(TypeError, match="argument 'x' must be float32"):
+        op(x.int(), w.int(), None)
+
+
+def test_opcheck():
+    args = (randn(2, 3, 7, 6), randn(4, 3, 3, 3), randn(4), [2, 1], [1, 1], [1, 1], 1, True)
+    torch.library.opcheck(op, args)
+    torch.library.opcheck(
+        op, (randn(1, 4, 5, 5), randn(4, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 2)
+    )
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_gradcheck(relu):
+    def make(*shape):
+        return randn(*shape, dtype=torch.float64).requires_grad_()
+
+    # fast_mode: a few random directions instead of the full Jacobian (hundreds of torch
+    # conv backward calls, slow on a loaded 2-core machine).
+    x, w, b = make(2, 4, 6, 5), make(6, 2, 3, 3), make(6)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: op(x, w, b, [2, 1], [1, 1], [1, 2], 2, relu), (x, w, b), fast_mode=True
+    )
+    assert torch.autograd.gradcheck(
+        lambda x, w: op(x, w, None, [1, 1], [0, 0], [1, 1], 2), (x, w), fast_mode=True
+    )
+
+
+def test_torch_compile_fullgraph():
+    x, w, b = randn(2, 3, 9, 9), randn(8, 3, 3, 3), randn(8)
+    w.requires_grad_()
+
+    def f(x, w, b):
+        return tg.conv2d_bias_relu(x, w, b, stride=1, padding=1).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, w, b)
+    loss.backward()
+    w_ref = w.detach().clone().requires_grad_()
+    ref = F.relu(F.conv2d(x, w_ref, b, 1, 1)).sum()
+    ref.backward()
+    assert_close(loss.detach(), ref.detach(), k=27 * 162)
+    assert_close(w.grad, w_ref.grad, k=162)
+
+
+def test_packed_weight_follows_updates():
+    """The packed-weight cache sees in-place updates, .data swaps and new tensors."""
+    x, w, b = randn(2, 16, 8, 8), randn(32, 16, 3, 3), randn(32)
+    assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, 1, 1), k=144)
+    w.mul_(-0.5)  # in place: bumps the version
+    assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, 1, 1), k=144)
+    p = torch.nn.Parameter(w.clone())
+    assert_close(op(x, p, b, [1, 1], [1, 1]), reference(x, p, b, 1, 1), k=144)
+    p.data = randn(32, 16, 3, 3)  # new storage, same object
+    assert_close(op(x, p, b, [1, 1], [1, 1]), reference(x, p.detach(), b, 1, 1), k=144)
+    with torch.inference_mode():
+        wi = randn(32, 16, 3, 3)
+        assert_close(op(x, wi, b, [1, 1], [1, 1]), reference(x, wi, b, 1, 1), k=144)

@@ -1,0 +1,92 @@
+"""tvm_gemm.linear against F.linear + activation: epilogues, dtypes, leading dims, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DTYPES, assert_close, randn
+
+import torch_tvm_gemm as tg
+
+REF_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}
+
+
+def reference(x, w, b, act):
+    return REF_ACT[act](F.linear(x.double(), w.double(), None if b is None else b.double()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("m,k,n", [(7, 33, 65), (33, 127, 7)])
+def test_linear(m, k, n, act, has_bias, dtype):
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if has_bias else None
+    out = tg.linear(x, w, b, act)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, reference(x, w, b, act), k)
+
+
+def test_activation_applied_once_to_the_final_sum():
+    # relu(x @ w.T + b) with partial sums that go negative then positive: an activation
+    # applied per reduction step (TVM's fuse_reduction_epilogue) would give a different answer.
+    x = torch.tensor([[1.0, 1.0, 1.0]])
+    w = torch.tensor([[-2.0, 3.0, 1.0], [3.0, -5.0, 1.0]])
+    b = torch.tensor([-1.0, 0.5])
+    assert torch.equal(tg.linear(x, w, b, "relu"), torch.tensor([[1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("shape", [(33,), (2, 3, 33), (2, 1, 3, 33)])
+def test_linear_leading_dims(shape):
+    x, w, b = randn(*shape), randn(17, 33), randn(17)
+    out = tg.linear(x, w, b, "relu")
+    assert out.shape == (*shape[:-1], 17)
+    assert_close(out, reference(x, w, b, "relu"), 33)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 300])
+def test_linear_small_and_large_m(m):
+    x, w, b = randn(m, 64), randn(48, 64), randn(48)
+    assert_close(tg.linear(x, w, b, "gelu"), reference(x, w, b, "gelu"), 64)
+
+
+def test_linear_non_contiguous():
+    x = randn(9, 80)[:, ::2]
+    w = randn(40, 19).t()  # (19, 40), not contiguous
+    b = randn(38)[::2]
+    assert_close(tg.linear(x, w, b), reference(x, w, b, "none"), 40)
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 5, 3), (4, 0, 3), (4, 5, 0)])
+@pytest.mark.parametrize("act", ["none", "relu"])
+def test_linear_empty(m, k, n, act):
+    x, w, b = randn(m, k), randn(n, k), randn(n)
+    torch.testing.assert_close(tg.linear(x, w, b, act), REF_ACT[act](F.linear(x, w, b)))
+
+
+@pytest.mark.parametrize(
+    "args,exc,words",
+    [
+        ((torch.ones(3, 4), torch.ones(5, 4), None, "tanh"), ValueError, ["'activation'", "tanh"]),
+        ((torch.ones(3, 4), torch.ones(5, 3)), ValueError, ["features", "(5, 3)"]),
+        ((torch.ones(3, 4), torch.ones(5, 4), torch.ones(4)), ValueError, ["'bias'", "(5,)"]),
+        ((torch.ones(3, 4), torch.ones(5, 4), torch.ones(1, 5)), ValueError, ["'bias'", "2-D"]),
+        ((torch.ones(3, 4), torch.ones(2, 5, 4)), ValueError, ["'weight'", "3-D"]),
+        ((torch.ones(3, 4), torch.ones(5, 4).half()), TypeError, ["'weight'", "mixed"]),
+        ((torch.ones(3, 4), torch.ones(5, 4), torch.ones(5).double()), TypeError, ["'bias'"]),
+        (
+            (torch.ones(3, 4, dtype=torch.int64), torch.ones(5, 4, dtype=torch.int64)),
+            TypeError,
+            ["'x'", "int64"],
+        ),
+        ((torch.ones(3, 4, device="meta"), torch.ones(5, 4)), RuntimeError, ["'weight'", "device"]),
+    ],
+)
+def test_linear_bad_input(args, exc, words):
+    with pytest.raises(exc) as info:
+        tg.linear(*args)
+    msg = str(info.value)
+    assert "tvm_gemm.linear" in msg
+    for w in words:
+        assert w in msg, msg

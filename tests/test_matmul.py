@@ -1,0 +1,94 @@
+"""tvm_gemm.matmul against torch.matmul: dtypes, odd shapes, batching, layouts, empty dims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DTYPES, assert_close, randn
+
+import torch_tvm_gemm as tg
+
+SHAPES_2D = [(1, 1, 1), (7, 33, 1), (33, 127, 257), (127, 7, 64), (257, 64, 33), (16, 16, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,k,n", SHAPES_2D)
+def test_matmul_2d(m, k, n, dtype):
+    a, b = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype)
+    out = tg.matmul(a, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, a.double() @ b.double(), k)
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 100])
+def test_one_kernel_serves_every_m(m):
+    # M crosses the gemv/gemm threshold; each variant is compiled once and reused.
+    b = randn(40, 24)
+    a = randn(m, 40)
+    assert_close(tg.matmul(a, b), a @ b, 40)
+
+
+@pytest.mark.parametrize(
+    "shape_a,shape_b",
+    [
+        ((3, 7, 33), (3, 33, 5)),  # batched
+        ((3, 7, 33), (33, 5)),  # 3-D @ 2-D: one GEMM over all rows
+        ((1, 7, 33), (4, 33, 5)),  # batch broadcast of a
+        ((4, 7, 33), (1, 33, 5)),  # batch broadcast of b
+        ((7, 33), (2, 33, 5)),  # 2-D @ 3-D
+    ],
+)
+def test_matmul_batched(shape_a, shape_b):
+    a, b = randn(*shape_a), randn(*shape_b)
+    assert_close(tg.matmul(a, b), torch.matmul(a, b), 33)
+
+
+def test_matmul_non_contiguous_inputs():
+    a = randn(40, 66)[:, ::2]  # sliced
+    b = randn(20, 33).t()  # transposed: read in place as the "nk" layout
+    assert not a.is_contiguous() and not b.is_contiguous()
+    assert_close(tg.matmul(a, b), a @ b, 33)
+    e = randn(1, 33).expand(9, 33)  # expanded (stride 0)
+    assert_close(tg.matmul(e, b), e @ b, 33)
+    c = randn(33, 17).to(memory_format=torch.contiguous_format)[:, 1:]
+    assert_close(tg.matmul(a, c), a @ c, 33)
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 5, 3), (4, 0, 3), (4, 5, 0), (0, 0, 0)])
+def test_matmul_empty(m, k, n):
+    a, b = randn(m, k), randn(k, n)
+    out = tg.matmul(a, b)
+    torch.testing.assert_close(out, a @ b)
+
+
+@pytest.mark.parametrize(
+    "a,b,exc,words",
+    [
+        (
+            torch.ones(3, 4, dtype=torch.int32),
+            torch.ones(4, 2, dtype=torch.int32),
+            TypeError,
+            ["'a'", "int32"],
+        ),
+        (torch.ones(3, 4, dtype=torch.bool), torch.ones(4, 2), TypeError, ["'a'", "bool"]),
+        (
+            torch.ones(3, 4, dtype=torch.complex64),
+            torch.ones(4, 2),
+            TypeError,
+            ["'a'", "complex64"],
+        ),
+        (torch.ones(3, 4), torch.ones(4, 2, dtype=torch.float64), TypeError, ["'b'", "mixed"]),
+        (torch.ones(3, 4), torch.ones(5, 2), ValueError, ["inner dims", "(3, 4)", "(5, 2)"]),
+        (torch.ones(4), torch.ones(4, 2), ValueError, ["'a'", "1-D"]),
+        (torch.ones(2, 2, 3, 4), torch.ones(4, 2), ValueError, ["'a'", "4-D"]),
+        (torch.ones(2, 3, 4), torch.ones(3, 4, 2), ValueError, ["batch", "broadcast"]),
+        (torch.ones(3, 4), torch.ones(4, 2, device="meta"), RuntimeError, ["'b'", "meta"]),
+    ],
+)
+def test_matmul_bad_input(a, b, exc, words):
+    with pytest.raises(exc) as info:
+        tg.matmul(a, b)
+    msg = str(info.value)
+    assert "tvm_gemm.matmul" in msg
+    for w in words:
+        assert w in msg, msg

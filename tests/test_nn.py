@@ -1,0 +1,116 @@
+"""TVMLinear and swap_linear: drop-in behaviour, state_dict, activation fusion, undo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close, randn
+from torch import nn
+
+import torch_tvm_gemm as tg
+from torch_tvm_gemm import TVMLinear
+
+
+def mlp():
+    torch.manual_seed(1)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.GELU(),
+        nn.Linear(32, 8),
+        nn.GELU("tanh"),
+    )
+
+
+def test_swap_matches_original_and_fuses_activations():
+    model, x = mlp(), randn(5, 16)
+    ref = model(x)
+    tg.swap_linear(model)
+    assert [type(m).__name__ for m in model] == [
+        "TVMLinear",
+        "_Fused",
+        "TVMLinear",
+        "_Fused",
+        "TVMLinear",
+        "GELU",
+    ]
+    assert [model[i].activation for i in (0, 2, 4)] == [
+        "relu",
+        "gelu",
+        "none",
+    ]  # tanh-GELU not fused
+    assert_close(model(x), ref, 32)
+
+
+def test_state_dict_round_trips_both_ways():
+    model = mlp()
+    swapped = tg.swap_linear(mlp())
+    assert swapped.state_dict().keys() == model.state_dict().keys()
+    swapped.load_state_dict(model.state_dict())
+    x = randn(3, 16)
+    assert_close(swapped(x), model(x), 32)
+    fresh = mlp()
+    fresh.load_state_dict(swapped.state_dict())
+    assert_close(fresh(x), model(x), 32)
+
+
+def test_unswap_restores_modules():
+    model = mlp()
+    ref_types = [type(m) for m in model]
+    tg.unswap_linear(tg.swap_linear(model))
+    assert [type(m) for m in model] == ref_types
+
+
+def test_filter_fn_and_nested_modules():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.head = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+
+        def forward(self, x):
+            return self.head(torch.relu(self.proj(x)))
+
+    model = Block()
+    x = randn(2, 8)
+    ref = model(x)
+    tg.swap_linear(model, filter_fn=lambda m, fqn: fqn != "proj")
+    assert type(model.proj) is nn.Linear and isinstance(model.head[0], TVMLinear)
+    assert_close(model(x), ref, 8)
+
+
+def test_relu_outside_sequential_is_not_fused():
+    # In a custom forward the linear's output may have other users: never fuse there.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act = nn.Linear(8, 8), nn.ReLU()
+
+        def forward(self, x):
+            y = self.fc(x)
+            return self.act(y) + y
+
+    net = Net()
+    x = randn(3, 8)
+    ref = net(x)
+    tg.swap_linear(net)
+    assert net.fc.activation == "none" and isinstance(net.act, nn.ReLU)
+    assert_close(net(x), ref, 8)
+
+
+def test_tvmlinear_repr_and_training():
+    layer = TVMLinear(8, 4, activation="gelu")
+    assert "activation=gelu" in repr(layer)
+    with pytest.raises(ValueError, match="activation"):
+        TVMLinear(8, 4, activation="swish")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x, target = randn(16, 8), randn(16, 4)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = (layer(x) - target).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]

@@ -1,0 +1,476 @@
+"""Conv2d + bias + ReLU as one TVM kernel: the module, the FX fusion pass, and ``convert``.
+
+``TVMConv2dBiasReLU`` is an ``nn.Conv2d`` subclass (same parameters, same ``state_dict``
+keys) computed by ``tvm_gemm.conv2d_bias_relu``, optionally with the ReLU that followed it.
+
+``fuse_conv_bias_relu(model)`` traces the model with ``torch.fx.symbolic_trace`` and rewrites
+three patterns into the fused op, leaving everything else alone:
+
+1. ``Conv2d`` -> ReLU (module, ``F.relu`` / ``torch.relu`` / ``.relu()``, in place or not);
+2. ``conv2d(x, w, None)`` (functional, or a ``Conv2d(bias=False)``) -> ``+ b`` with ``b`` a
+   per-channel bias of shape ``(1, C, 1, 1)`` or ``(C, 1, 1)`` (a parameter or buffer,
+   reshaped / viewed / unsqueezed / indexed) -> ReLU;
+3. ``Conv2d`` -> ``BatchNorm2d`` (eval mode, running stats) -> ReLU, by folding the BN into
+   a copy of the conv's weight and bias first.
+
+A match is fused only if every intermediate value has exactly one user (the next node of
+the pattern): a conv output that is also used elsewhere must stay un-activated.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from .nn import TVMLinear, swap_linear
+
+log = logging.getLogger("torch_tvm_gemm")
+
+_OP = torch.ops.tvm_gemm.conv2d_bias_relu
+
+
+def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
+    """The conv's padding as two ints, or None where the op cannot express it."""
+    if conv.padding_mode != "zeros":
+        return None
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":  # symmetric only: total padding dilation * (k - 1) even
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
+        return None if any(t % 2 for t in total) else (total[0] // 2, total[1] // 2)
+    return tuple(conv.padding)
+
+
+class TVMConv2dBiasReLU(nn.Conv2d):
+    """``nn.Conv2d`` (optionally followed by ``nn.ReLU``) computed by one TVM kernel.
+
+    Build it with ``from_conv(conv, relu=True)``: it shares ``conv``'s parameters, and its
+    ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so checkpoints load both ways.
+    Supports ``padding_mode="zeros"`` with int / tuple / "valid" / symmetric "same" padding.
+    """
+
+    def __init__(self, *args, relu: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.relu = relu
+        self._op_padding = self._checked_padding()
+
+    def _checked_padding(self) -> tuple[int, int]:
+        padding = _conv_padding(self)
+        if padding is None:
+            raise ValueError(
+                f"TVMConv2dBiasReLU: padding={self.padding!r}, padding_mode="
+                f"{self.padding_mode!r} is not supported (zero padding, symmetric only)"
+            )
+        return padding
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, relu: bool = True) -> TVMConv2dBiasReLU:
+        """A TVMConv2dBiasReLU sharing ``conv``'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in (
+            "in_channels",
+            "out_channels",
+            "kernel_size",
+            "stride",
+            "padding",
+            "dilation",
+            "transposed",
+            "output_padding",
+            "groups",
+            "padding_mode",
+        ):
+            setattr(new, name, getattr(conv, name))
+        new.weight, new.bias = conv.weight, conv.bias
+        new.relu = relu
+        new._op_padding = new._checked_padding()
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        unbatched = x.dim() == 3  # as nn.Conv2d: (C, H, W) is one image
+        y = _OP(
+            x.unsqueeze(0) if unbatched else x,
+            self.weight,
+            self.bias,
+            list(self.stride),
+            list(self._op_padding),
+            list(self.dilation),
+            self.groups,
+            self.relu,
+        )
+        return y.squeeze(0) if unbatched else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", relu={self.relu}"
+
+
+# --- the FX pass ----------------------------------------------------------------------------
+
+
+@dataclass
+class FusionSummary:
+    """What ``fuse_conv_bias_relu`` did: one line per fused and per skipped candidate."""
+
+    fused: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fused {len(self.fused)} conv2d+bias+relu"]
+        lines += [f"  fused: {f}" for f in self.fused]
+        lines += [f"  skipped: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+class FusionResult(NamedTuple):
+    model: fx.GraphModule
+    summary: FusionSummary
+
+
+_RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
+_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+_VIEW_METHODS = {"reshape", "view", "unsqueeze"}
+_VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, operator.getitem}
+
+
+class _Graph:
+    """The traced model with the queries the matchers need."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.modules = dict(gm.named_modules())
+        self.calls: dict[str, int] = {}
+        self.erased: set[fx.Node] = set()
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                self.calls[node.target] = self.calls.get(node.target, 0) + 1
+
+    def module(self, node: fx.Node, kind: type) -> nn.Module | None:
+        """The module ``node`` calls if it is exactly of type ``kind``."""
+        if node.op != "call_module":
+            return None
+        mod = self.modules.get(node.target)
+        return mod if type(mod) is kind else None
+
+    def is_relu(self, node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return self.module(node, nn.ReLU) is not None
+        if node.op == "call_function":
+            return node.target in _RELU_FUNCTIONS and len(node.args) in (1, 2)  # (x, inplace)
+        return node.op == "call_method" and node.target in ("relu", "relu_")
+
+    def attr(self, target: str) -> Tensor:
+        value = self.gm
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+
+
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+@dataclass
+class _Conv:
+    """A conv node in the graph: its input, weight and bias nodes and its geometry."""
+
+    node: fx.Node
+    x: fx.Node
+    weight: fx.Node | None  # None: a module's own weight (read through get_attr on rewrite)
+    bias: fx.Node | None
+    has_bias: bool
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    groups: int
+    module: nn.Conv2d | None = None
+
+
+def _pair(v) -> list[int] | None:
+    if isinstance(v, int):
+        return [v, v]
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
+        return list(v)
+    return None
+
+
+def _match_conv(g: _Graph, node: fx.Node) -> _Conv | str | None:
+    """The conv at ``node``; a reason string if it is a conv we cannot fuse; else None."""
+    conv = g.module(node, nn.Conv2d)
+    if conv is not None:
+        padding = _conv_padding(conv)
+        if padding is None:
+            return f"{node.name}: padding {conv.padding!r} / mode {conv.padding_mode!r}"
+        if conv.weight.device.type != "cpu" or len(node.args) != 1 or node.kwargs:
+            return f"{node.name}: not a plain call on a CPU Conv2d"
+        return _Conv(
+            node,
+            node.args[0],
+            None,
+            None,
+            conv.bias is not None,
+            list(conv.stride),
+            list(padding),
+            list(conv.dilation),
+            conv.groups,
+            conv,
+        )
+    if node.op != "call_function" or node.target not in (F.conv2d, torch.conv2d):
+        return None
+    names = ["input", "weight", "bias", "stride", "padding", "dilation", "groups"]
+    defaults = [None, None, None, 1, 0, 1, 1]
+    args = dict(zip(names, defaults, strict=True))
+    args.update(zip(names, node.args, strict=False))
+    args.update(node.kwargs)
+    padding = [0, 0] if args["padding"] == "valid" else _pair(args["padding"])
+    stride, dilation = _pair(args["stride"]), _pair(args["dilation"])
+    if None in (padding, stride, dilation) or not isinstance(args["groups"], int):
+        return f"{node.name}: non-constant or string geometry"
+    return _Conv(
+        node,
+        args["input"],
+        args["weight"],
+        args["bias"],
+        args["bias"] is not None,
+        stride,
+        padding,
+        dilation,
+        args["groups"],
+    )
+
+
+def _bias_value(g: _Graph, node: fx.Node) -> Tensor | None:
+    """The value of ``node`` if it is a parameter / buffer put through views, else None."""
+    if node.op == "get_attr":
+        return g.attr(node.target)
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.kwargs:
+        return None
+    rest = node.args[1:]
+    inputs: list[fx.Node] = []
+    fx.node.map_arg(rest, inputs.append)
+    if inputs:  # a view whose arguments are computed: not a constant bias
+        return None
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        base = _bias_value(g, node.args[0])
+        return None if base is None else getattr(base, node.target)(*rest)
+    if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
+        base = _bias_value(g, node.args[0])
+        return None if base is None else node.target(base, *rest)
+    return None
+
+
+def _is_channel_bias(value: Tensor | None, channels: int) -> bool:
+    return value is not None and tuple(value.shape) in ((1, channels, 1, 1), (channels, 1, 1))
+
+
+def _out_channels(g: _Graph, conv: _Conv) -> int | None:
+    if conv.module is not None:
+        return conv.module.out_channels
+    w = conv.weight
+    return g.attr(w.target).shape[0] if w is not None and w.op == "get_attr" else None
+
+
+def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> TVMConv2dBiasReLU:
+    """A fused module whose weight and bias have the eval-mode BN folded in (in float64)."""
+    with torch.no_grad():
+        var, mean = bn.running_var.double(), bn.running_mean.double()
+        gamma = bn.weight.double() if bn.weight is not None else torch.ones_like(var)
+        beta = bn.bias.double() if bn.bias is not None else torch.zeros_like(var)
+        scale = gamma / torch.sqrt(var + bn.eps)
+        bias = conv.bias.double() if conv.bias is not None else torch.zeros_like(mean)
+        dtype = conv.weight.dtype
+        weight = (conv.weight.double() * scale.view(-1, 1, 1, 1)).to(dtype)
+        bias = ((bias - mean) * scale + beta).to(dtype)
+    fused = TVMConv2dBiasReLU.from_conv(conv, relu=True)
+    fused.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
+    fused.bias = nn.Parameter(bias, requires_grad=conv.weight.requires_grad)
+    return fused
+
+
+def _replace(g: _Graph, last: fx.Node, new: fx.Node, dead: list[fx.Node]) -> None:
+    """Route ``last``'s users to ``new`` and erase the replaced nodes (users first)."""
+    last.replace_all_uses_with(new)
+    for node in dead:
+        g.gm.graph.erase_node(node)
+        g.erased.add(node)
+
+
+def _swap_module(g: _Graph, target: str, module: nn.Module) -> None:
+    parent, _, name = target.rpartition(".")
+    setattr(g.gm.get_submodule(parent) if parent else g.gm, name, module)
+    g.modules[target] = module
+
+
+def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
+    """Fuse the pattern starting at ``conv`` if there is one; return a line describing it.
+
+    Raises ``_Skip`` with the reason when a pattern is there but must not be fused.
+    """
+    user = _sole_user(conv.node)
+    if user is None:
+        if any(g.is_relu(u) for u in conv.node.users):
+            raise _Skip(f"{conv.node.name}: conv output has {len(conv.node.users)} users")
+        return None
+    # 1. conv -> relu
+    if g.is_relu(user):
+        return _fuse_with_bias(g, conv, user, [user, conv.node], None, "relu")
+    # 3. conv -> batchnorm -> relu
+    bn = g.module(user, nn.BatchNorm2d)
+    if bn is not None:
+        relu = _sole_user(user)
+        if relu is None or not g.is_relu(relu):
+            return None
+        if conv.module is None or bn.training or bn.running_mean is None:
+            raise _Skip(f"{conv.node.name}: BN {user.name} in training mode or without stats")
+        if g.calls[conv.node.target] != 1 or g.calls[user.target] != 1:
+            raise _Skip(f"{conv.node.name}: conv or BN module called more than once")
+        _swap_module(g, conv.node.target, _fold_bn(conv.module, bn))
+        _replace(g, relu, conv.node, [relu, user])
+        return f"{conv.node.name} -> {user.name} (folded) -> {relu.name}"
+    # 2. conv(bias=None) -> add(bias view) -> relu
+    if user.op in ("call_function", "call_method") and (
+        user.target in _ADD_FUNCTIONS or user.target in ("add", "add_")
+    ):
+        relu = _sole_user(user)
+        if relu is None or not g.is_relu(relu) or conv.has_bias or user.kwargs:
+            return None
+        if len(user.args) != 2:
+            return None
+        other = user.args[1] if user.args[0] is conv.node else user.args[0]
+        channels = _out_channels(g, conv)
+        if not isinstance(other, fx.Node) or channels is None:
+            return None
+        if not _is_channel_bias(_bias_value(g, other), channels):
+            raise _Skip(f"{conv.node.name}: added tensor {other.name} is not a (1, C, 1, 1) bias")
+        with g.gm.graph.inserting_before(user):
+            flat = g.gm.graph.call_method("reshape", (other, (-1,)))
+        return _fuse_with_bias(g, conv, relu, [relu, user, conv.node], flat, "add+relu")
+    return None
+
+
+class _Skip(Exception):
+    pass
+
+
+def _fuse_with_bias(g, conv: _Conv, last, dead, bias_node, what: str) -> str:
+    """Replace the nodes ``dead`` (ending in ``last``) by one call of the fused op."""
+    if conv.module is not None and bias_node is None:
+        # A conv module and its own bias: swap in the fused module (same parameters).
+        if g.calls[conv.node.target] != 1:
+            raise _Skip(f"{conv.node.name}: Conv2d module called more than once")
+        _swap_module(g, conv.node.target, TVMConv2dBiasReLU.from_conv(conv.module, relu=True))
+        _replace(g, last, conv.node, dead[:-1])
+        return f"{conv.node.name} -> {last.name}"
+    graph = g.gm.graph
+    with graph.inserting_before(last):
+        weight = conv.weight
+        if weight is None:
+            weight = graph.get_attr(f"{conv.node.target}.weight")
+        bias = bias_node if bias_node is not None else conv.bias
+        fused = graph.call_function(
+            _OP,
+            (conv.x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, True),
+        )
+    _replace(g, last, fused, dead)
+    return f"{conv.node.name} -> {what} ({last.name})"
+
+
+def fuse_conv_bias_relu(model: nn.Module) -> FusionResult:
+    """Trace ``model`` and fuse conv2d + bias + ReLU patterns into ``tvm_gemm.conv2d_bias_relu``.
+
+    Returns ``(fused GraphModule, FusionSummary)`` and logs one line (logger
+    ``torch_tvm_gemm``). ``model`` itself is not modified (the GraphModule shares its
+    parameters; BN-folded convs get new ones). Folding BN uses its running statistics: fuse
+    a model in eval mode, for inference.
+    """
+    gm = _trace(model, "fuse_conv_bias_relu")
+    g = _Graph(gm)
+    summary = FusionSummary()
+    for node in list(gm.graph.nodes):
+        if node in g.erased:  # part of an earlier fusion
+            continue
+        conv = _match_conv(g, node)
+        if conv is None:
+            continue
+        if isinstance(conv, str):
+            summary.skipped.append(conv)
+            continue
+        try:
+            line = _try_fuse(g, conv)
+        except _Skip as skip:
+            summary.skipped.append(str(skip))
+            continue
+        if line is not None:
+            summary.fused.append(line)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    log.info(
+        "fuse_conv_bias_relu: fused %d conv2d+bias+relu, skipped %d%s",
+        len(summary.fused),
+        len(summary.skipped),
+        "".join(f"; {s}" for s in summary.skipped),
+    )
+    return FusionResult(gm, summary)
+
+
+def _trace(model: nn.Module, caller: str) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as err:
+        raise RuntimeError(
+            f"torch_tvm_gemm.{caller}: torch.fx.symbolic_trace cannot trace "
+            f"{type(model).__name__} ({type(err).__name__}: {err}); swap modules by hand "
+            "with TVMConv2dBiasReLU.from_conv / swap_linear instead"
+        ) from err
+
+
+def _fuse_linear_activations(gm: fx.GraphModule) -> list[str]:
+    """Graph-level Linear -> ReLU / GELU fusion into TVMLinear (single-use outputs only)."""
+    g = _Graph(gm)
+    fused = []
+    for node in list(gm.graph.nodes):
+        lin = g.module(node, nn.Linear) if node not in g.erased else None
+        user = _sole_user(node) if lin is not None else None
+        if user is None or g.calls[node.target] != 1 or len(node.args) != 1:
+            continue
+        act = "relu" if g.is_relu(user) else _gelu(g, user)
+        if act is None:
+            continue
+        _swap_module(g, node.target, TVMLinear.from_linear(lin, act))
+        _replace(g, user, node, [user])
+        fused.append(f"{node.name} -> {user.name}")
+    gm.recompile()
+    return fused
+
+
+def _gelu(g: _Graph, node: fx.Node) -> str | None:
+    gelu = g.module(node, nn.GELU)
+    if gelu is not None:
+        return "gelu" if gelu.approximate == "none" else None
+    exact = node.kwargs.get("approximate", "none") == "none" and len(node.args) == 1
+    return "gelu" if node.op == "call_function" and node.target is F.gelu and exact else None
+
+
+def convert(
+    model: nn.Module, linear_filter: Callable[[nn.Module, str], bool] | None = None
+) -> fx.GraphModule:
+    """One call for a whole model: conv2d+bias+ReLU fusion, then Linear (+ReLU/GELU) to TVM.
+
+    Returns a new GraphModule (``model`` is not modified); the fusion summary is logged and
+    kept as ``result.fusion_summary``.
+    """
+    gm, summary = fuse_conv_bias_relu(model)
+    summary.fused += [f"linear: {line}" for line in _fuse_linear_activations(gm)]
+    # The rest of the Linears, unfused. gm's container modules are its own (symbolic_trace
+    # copies the module path), so this does not touch ``model``.
+    swap_linear(gm, linear_filter, activation_fusion=False)
+    gm.fusion_summary = summary
+    return gm

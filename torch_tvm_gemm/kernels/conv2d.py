@@ -1,0 +1,216 @@
+"""The math of the conv2d kernels: ``out = relu(conv2d(x, weight) + bias)``, in TensorIR (TE).
+
+No schedule here (see ``schedules/cpu_conv2d.py``). Layouts are torch's: ``x (N, C, H, W)``,
+``weight (K, C/groups, R, S)``, ``bias (K,)``, ``out (N, K, OH, OW)``, all contiguous.
+
+What is static and what is symbolic: the batch ``N`` is symbolic (one kernel for every batch
+size); everything else (C, K, R, S, H, W, stride, padding, dilation, groups) is static. A
+static output width lets the schedule tile it in registers without a bounds check, and a
+static H keeps the padded input copy a fixed size per image; in a CNN every layer sees one
+resolution, so this costs one build per (layer shape, input resolution).
+
+Two variants of the math, chosen by the schedule:
+
+* "blocked" (``k_block`` set): NCHWc-style. The kernel takes the weight packed into
+  ``[ceil(K/kb), C/groups, R, S, kb]`` in the accumulation dtype (``pack_weight``), so a
+  block of ``kb`` output channels is one run of vectors; the accumulator is laid out
+  ``(N, K/kb, OH, OW, kb)``. Needs each block of ``kb`` output channels to lie inside one
+  group (``kb`` divides ``K/groups``, or groups == 1). The packing is not in the kernel:
+  packing a 512x512x3x3 weight cost as much as the convolution itself at batch 1 (its
+  strided reads conflict in L1), and a weight is packed once and reused by every call.
+* "direct" (``k_block`` None): one output channel at a time, any groups (e.g. depthwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Conv2dSpec:
+    """Everything that changes a compiled conv2d binary (the target aside)."""
+
+    dtype: str
+    c: int  # input channels
+    k: int  # output channels
+    r: int  # kernel height
+    s: int  # kernel width
+    h: int  # input height
+    w: int  # input width
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    bias: bool = True
+    relu: bool = True
+    device: str = "cpu"
+
+    family = "conv2d"
+
+    def __post_init__(self) -> None:
+        # Internal invariants: user input is validated in ops.py before a spec is made.
+        if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"bad Conv2dSpec {self}")
+        if self.out_h < 1 or self.out_w < 1:
+            raise ValueError(f"bad Conv2dSpec {self} (empty output)")
+
+    @property
+    def acc_dtype(self) -> str:
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
+    def out_h(self) -> int:
+        return _out_size(self.h, self.r, self.stride[0], self.padding[0], self.dilation[0])
+
+    @property
+    def out_w(self) -> int:
+        return _out_size(self.w, self.s, self.stride[1], self.padding[1], self.dilation[1])
+
+    def key(self) -> dict:
+        # The conv schedule's version is part of the key: a changed schedule is rebuilt.
+        from ..schedules.cpu_conv2d import SCHEDULE_VERSION
+
+        return {"family": self.family, "conv_schedule_version": SCHEDULE_VERSION, **asdict(self)}
+
+    def name(self) -> str:
+        geo = "_".join(
+            f"{tag}{a}x{b}"
+            for tag, (a, b) in (("s", self.stride), ("p", self.padding), ("d", self.dilation))
+        )
+        epi = ("_bias" if self.bias else "") + ("_relu" if self.relu else "")
+        g = f"_g{self.groups}" if self.groups != 1 else ""
+        return (
+            f"conv2d_{self.dtype}_c{self.c}_k{self.k}_{self.r}x{self.s}_in{self.h}x{self.w}"
+            f"_{geo}{g}{epi}"
+        )
+
+
+def _out_size(size: int, kernel: int, stride: int, pad: int, dil: int) -> int:
+    return (size + 2 * pad - dil * (kernel - 1) - 1) // stride + 1
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def pack_weight(weight, k_block: int, acc_dtype):
+    """The "blocked" kernels' weight layout, made with torch: ``(K, Cg, R, S)`` ->
+    ``(ceil(K/kb), Cg, R, S, kb)`` in ``acc_dtype``; padded channels are zeros (never stored).
+    """
+    import torch
+
+    k = weight.shape[0]
+    w = weight.to(acc_dtype)
+    pad = -k % k_block
+    if pad:
+        w = torch.cat([w, w.new_zeros((pad, *w.shape[1:]))])
+    return w.view(-1, k_block, *w.shape[1:]).permute(0, 2, 3, 4, 1).contiguous()
+
+
+def padded_input_width(spec: Conv2dSpec, ow_tile: int) -> int:
+    """Width of the input the reduction reads when the output width is padded to ``ow_tile``."""
+    owp = _ceil_to(spec.out_w, ow_tile)
+    return (owp - 1) * spec.stride[1] + (spec.s - 1) * spec.dilation[1] + 1
+
+
+def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = None):
+    """Return the unscheduled PrimFunc ``main(x, weight, [bias,] out)`` for ``spec``.
+
+    ``ow_tile``: the output width is computed over a domain rounded up to a multiple of it
+    (the schedule's register tile), so the micro-kernel has no bounds check; the extra
+    columns read the zero-padded input and are never stored. ``k_block``: see the module doc.
+
+    Arguments: ``(x, weight, [bias,] out)``, where for "blocked" ``weight`` is the packed
+    weight (see ``pack_weight``). Stages: "x_pad" is the input in the accumulation dtype,
+    zero-padded (the schedule inlines it when there is nothing to pad or convert); "w_pack"
+    (direct only) the weight in the accumulation dtype; "acc" the reduction over (c, r, s) from zero;
+    "out" adds the bias once, applies relu once to the final sum and casts back. The bias is
+    not the reduction's init because TVM 0.27 drops non-constant inits in some schedule
+    primitives (see ``kernels/gemm.py``).
+    """
+    from tvm import te, tirx
+
+    acc = spec.acc_dtype
+    (sh, sw), (ph, pw), (dh, dw) = spec.stride, spec.padding, spec.dilation
+    cg, kg = spec.c // spec.groups, spec.k // spec.groups
+    oh, ow = spec.out_h, spec.out_w
+    owp = _ceil_to(ow, ow_tile)
+    # The padded input covers every row / column the (width-padded) reduction reads.
+    hp = (oh - 1) * sh + (spec.r - 1) * dh + 1
+    wp = padded_input_width(spec, ow_tile)
+
+    n = tirx.Var("N", "int64")
+    x = te.placeholder((n, spec.c, spec.h, spec.w), spec.dtype, name="x")
+    weight = te.placeholder((spec.k, cg, spec.r, spec.s), spec.dtype, name="weight")
+    bias = te.placeholder((spec.k,), spec.dtype, name="bias")
+
+    def x_at(b, c, i, j):
+        if ph == 0 and pw == 0 and wp <= spec.w:  # nothing to pad: a plain read
+            return x[b, c, i, j].astype(acc)
+        inside = tirx.all(i >= ph, i < spec.h + ph, j >= pw, j < spec.w + pw)
+        # Clamped indices keep the (masked) read in bounds.
+        ii = te.max(te.min(i - ph, spec.h - 1), 0)
+        jj = te.max(te.min(j - pw, spec.w - 1), 0)
+        return tirx.if_then_else(inside, x[b, c, ii, jj].astype(acc), tirx.const(0, acc))
+
+    x_pad = te.compute((n, spec.c, hp, wp), x_at, name="x_pad")
+    rc = te.reduce_axis((0, cg), name="rc")
+    rr = te.reduce_axis((0, spec.r), name="rr")
+    rs = te.reduce_axis((0, spec.s), name="rs")
+
+    if k_block is None:
+        w_pack = te.compute(weight.shape, lambda *i: weight[i].astype(acc), name="w_pack")
+        acc_t = te.compute(
+            (n, spec.k, oh, owp),
+            lambda b, k, i, j: te.sum(
+                x_pad[b, (k // kg) * cg + rc, i * sh + rr * dh, j * sw + rs * dw]
+                * w_pack[k, rc, rr, rs],
+                axis=[rc, rr, rs],
+            ),
+            name="acc",
+        )
+
+        def acc_at(b, k, i, j):
+            return acc_t[b, k, i, j]
+
+    else:
+        kb = k_block
+        kp = _ceil_to(spec.k, kb)
+        if spec.groups > 1 and kg % kb:
+            raise ValueError(f"k_block {kb} must divide K/groups = {kg}")
+        blocks_per_group = kg // kb if spec.groups > 1 else 1
+        # Packed by the caller (ops.py, once per weight, see ``pack_weight``).
+        w_pack = te.placeholder((kp // kb, cg, spec.r, spec.s, kb), acc, name="w_packed")
+        weight = w_pack
+
+        def chan(ko, c):  # the input channel of reduction step c for output block ko
+            if spec.groups == 1:
+                return c
+            return (ko // blocks_per_group) * cg + c
+
+        acc_t = te.compute(
+            (n, kp // kb, oh, owp, kb),
+            lambda b, ko, i, j, ki: te.sum(
+                x_pad[b, chan(ko, rc), i * sh + rr * dh, j * sw + rs * dw]
+                * w_pack[ko, rc, rr, rs, ki],
+                axis=[rc, rr, rs],
+            ),
+            name="acc",
+        )
+
+        def acc_at(b, k, i, j):
+            return acc_t[b, k // kb, i, j, k % kb]
+
+    def final(b, k, i, j):
+        v = acc_at(b, k, i, j)
+        if spec.bias:
+            v = v + bias[k].astype(acc)
+        if spec.relu:
+            v = tirx.max(v, tirx.const(0, acc))
+        return v.astype(spec.dtype)
+
+    out = te.compute((n, spec.k, oh, ow), final, name="out")
+    args = [x, weight] + ([bias] if spec.bias else []) + [out]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
