@@ -32,7 +32,7 @@ def _extension_kwargs() -> dict:
     if os.environ.get("TVM_GEMM_NO_EXT", "") == "1":
         return {}
     try:
-        import torch
+        import torch  # noqa: F401 (cpp_extension needs it; a missing torch is the common failure)
         import tvm_ffi.libinfo
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError as err:
@@ -42,14 +42,12 @@ def _extension_kwargs() -> dict:
         return {}
 
     ffi_lib_dir = os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())
-    macros = [("TVM_GEMM_WITH_CUDA", None)] if torch.version.cuda else []
     ext = CppExtension(
         "torch_tvm_gemm._C",
         ["csrc/tvm_gemm_ops.cpp"],
         include_dirs=tvm_ffi.libinfo.include_paths(),
         library_dirs=[ffi_lib_dir],
         libraries=["tvm_ffi"],
-        define_macros=macros,
         # -g0: Python's own CFLAGS add -g, which makes the library 12 MB instead of ~1 MB.
         extra_compile_args=["-O3", "-g0"],
         # libtvm_ffi.so is found next to the installed package (site-packages/tvm_ffi/lib) or,

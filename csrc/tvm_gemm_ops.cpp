@@ -23,13 +23,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/core/Stream.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
-#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -214,10 +211,8 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
   tvm::ffi::Function fn;
   try {
     tvm::ffi::Function get_kernel = tvm::ffi::Function::GetGlobalRequired("tvm_gemm.get_kernel");
-    const bool cuda = key.device_type == c10::DeviceType::CUDA;
     fn = get_kernel(key.dtype->name, key.n, key.k, key.b_nk ? "nk" : "kn", key.bias,
-                    g_config.activations[key.activation], key.gemv ? "gemv" : "gemm",
-                    cuda ? "cuda" : "cpu")
+                    g_config.activations[key.activation], key.gemv ? "gemv" : "gemm", "cpu")
              .cast<tvm::ffi::Function>();
   } catch (const tvm::ffi::Error& err) {
     // Raise the Python exception itself (kept by the handler), as the Python path would;
@@ -257,8 +252,8 @@ void sync_threads() {
 DLTensor dl_view(const at::Tensor& t, const DtypeInfo& dtype) {
   DLTensor d;
   d.data = t.data_ptr();  // already includes the storage offset, so byte_offset stays 0
-  d.device.device_type = t.is_cuda() ? kDLCUDA : kDLCPU;
-  d.device.device_id = t.is_cuda() ? t.get_device() : 0;
+  d.device.device_type = kDLCPU;
+  d.device.device_id = 0;
   d.ndim = static_cast<int32_t>(t.dim());
   d.dtype = dtype.dl;
   d.shape = const_cast<int64_t*>(t.sizes().data());
@@ -270,31 +265,6 @@ DLTensor dl_view(const at::Tensor& t, const DtypeInfo& dtype) {
   return d;
 }
 
-// On CUDA, run the kernel on torch's current stream (TVM's generated code asks tvm-ffi for the
-// stream of its device); the previous stream is put back afterwards.
-class StreamScope {
- public:
-  explicit StreamScope(const at::Tensor& t) {
-    if (!t.is_cuda()) return;
-    device_id_ = t.get_device();
-    const c10::Stream stream =
-        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
-    TVM_FFI_CHECK_SAFE_CALL(
-        TVMFFIEnvSetStream(kDLCUDA, device_id_, stream.native_handle(), &previous_));
-    active_ = true;
-  }
-  ~StreamScope() {
-    if (active_) TVMFFIEnvSetStream(kDLCUDA, device_id_, previous_, nullptr);
-  }
-  StreamScope(const StreamScope&) = delete;
-  StreamScope& operator=(const StreamScope&) = delete;
-
- private:
-  bool active_ = false;
-  int32_t device_id_ = 0;
-  TVMFFIStreamHandle previous_ = nullptr;
-};
-
 at::Tensor apply_activation(const at::Tensor& t, int act) {
   const std::string& name = g_config.activations[act];
   if (name == "none") return t;
@@ -303,7 +273,8 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
-// act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors ops.gemm.
+// act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors ops.gemm's CPU branch
+// (these impls are registered for CPU only).
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                 const std::optional<at::Tensor>& bias, int act, bool static_k,
                 std::optional<at::Tensor> out = std::nullopt) {
@@ -325,9 +296,9 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                       act,
                       m <= g_config.gemv_max_m,
                       a.device().type(),
-                      a.is_cuda() ? a.device().index() : c10::DeviceIndex(0)};
+                      c10::DeviceIndex(0)};
   tvm::ffi::Function kernel = lookup_kernel(key);
-  if (!a.is_cuda()) sync_threads();
+  sync_threads();
 
   // expect_contiguous borrows when the tensor already is contiguous (no refcount traffic).
   const c10::MaybeOwned<at::Tensor> ac = a.expect_contiguous();
@@ -335,7 +306,6 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   DLTensor dl_a = dl_view(*ac, dtype);
   DLTensor dl_b = dl_view(*bc, dtype);
   DLTensor dl_out = dl_view(result, dtype);  // fresh, or a contiguous slice of a fresh tensor
-  StreamScope stream(a);
   try {
     if (bias.has_value()) {
       const c10::MaybeOwned<at::Tensor> biasc = bias->expect_contiguous();
@@ -410,7 +380,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
 //
 // ops.py registers the autograd formulas with torch.library.register_autograd: a *Python*
 // kernel on the Autograd key that every call passes through, grad or not (~5 us, more than the
-// rest of the call). We put a C++ kernel in front of it on AutogradCPU (AutogradCUDA): when no
+// rest of the call). We put a C++ kernel in front of it on AutogradCPU: when no
 // gradient is needed it does what that Python kernel's no-grad branch does (redispatch below
 // autograd); otherwise it hands the call to the Python kernel, captured before we registered
 // (torch.library.get_kernel's use case), so the formulas stay in Python.
@@ -453,10 +423,6 @@ std::unique_ptr<torch::Library>& registrations() {
   static auto* lib = new std::unique_ptr<torch::Library>();
   return *lib;
 }
-std::unique_ptr<torch::Library>& cuda_registrations() {
-  static auto* lib = new std::unique_ptr<torch::Library>();
-  return *lib;
-}
 std::vector<std::unique_ptr<torch::Library>>& autograd_registrations() {
   static auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
   return *libs;
@@ -479,20 +445,11 @@ void register_autograd_fast_path(c10::DispatchKey autograd_key) {
   autograd_registrations().push_back(std::move(lib));
 }
 
-bool compiled_with_cuda() {
-#ifdef TVM_GEMM_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
-// The dispatch keys this library registers (ops.py registers Python impls for the others).
-std::vector<std::string> dispatch_keys() {
-  std::vector<std::string> keys{"CPU"};
-  if (compiled_with_cuda()) keys.emplace_back("CUDA");
-  return keys;
-}
+// The dispatch keys this library registers; ops.py registers the Python impls for the others.
+// CUDA stays on the Python path: ops.gemm's CUDA branch (static K, 16-byte aligned operands,
+// an sm_70 check, the caller's current device and stream) has no C++ twin yet, and no GPU here
+// to test one on.
+std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 
 void register_impls(int64_t gemv_max_m, const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, bool autograd_fast_path) {
@@ -518,22 +475,14 @@ void register_impls(int64_t gemv_max_m, const std::vector<std::string>& activati
                                                      c10::DispatchKey::CPU, __FILE__, __LINE__);
   registrations()->impl("matmul", TORCH_FN(matmul_impl));
   registrations()->impl("linear", TORCH_FN(linear_impl));
-  if (compiled_with_cuda()) {
-    cuda_registrations() = std::make_unique<torch::Library>(
-        torch::Library::IMPL, "tvm_gemm", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-    cuda_registrations()->impl("matmul", TORCH_FN(matmul_impl));
-    cuda_registrations()->impl("linear", TORCH_FN(linear_impl));
-  }
   if (autograd_fast_path) {
     register_autograd_fast_path(c10::DispatchKey::AutogradCPU);
-    if (compiled_with_cuda()) register_autograd_fast_path(c10::DispatchKey::AutogradCUDA);
   }
 }
 
 void unregister_impls() {
   autograd_registrations().clear();  // destroying a torch::Library removes its registrations
   registrations().reset();
-  cuda_registrations().reset();
 }
 
 void clear_table() {
@@ -560,5 +509,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch_keys", &tvm_gemm::dispatch_keys, "Dispatch keys the C++ impls cover.");
   m.def("clear_table", &tvm_gemm::clear_table, "Forget every cached kernel handle.");
   m.def("table_size", &tvm_gemm::table_size, "Number of cached kernel handles.");
-  m.def("compiled_with_cuda", &tvm_gemm::compiled_with_cuda);
 }
