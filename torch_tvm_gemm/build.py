@@ -7,6 +7,7 @@ IRModule. ``compile_spec`` turns that into a TVM ``Executable``; ``cache.py`` ex
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from typing import Any
@@ -15,11 +16,19 @@ from typing import Any
 SCHEDULES: dict[tuple[str, str], str] = {
     ("gemm", "cpu"): "torch_tvm_gemm.schedules.cpu:schedule_gemm",
     ("conv2d", "cpu"): "torch_tvm_gemm.schedules.cpu_conv2d:schedule_conv2d",
+    ("gemm", "cuda"): "torch_tvm_gemm.schedules.cuda:schedule_gemm",  # (spec, arch)
 }
 
 # Schedule versions are part of the cache key, so that a changed schedule is rebuilt.
 SCHEDULE_VERSIONS: dict[str, str] = {
     "cpu": "torch_tvm_gemm.schedules.cpu:SCHEDULE_VERSION",
+    "cuda": "torch_tvm_gemm.schedules.cuda:SCHEDULE_VERSION",
+}
+
+# TVM pass options per device. CUDA: cp.async for the global->shared copies; no TIR CSE,
+# which hides the lane index from the warp-memory lowering (nvcc does its own CSE).
+PASS_CONFIGS: dict[str, dict] = {
+    "cuda": {"tirx.use_async_copy": True, "tirx.disable_cse_tir": True},
 }
 
 
@@ -32,31 +41,60 @@ def schedule_version(device: str) -> int:
     return _resolve(SCHEDULE_VERSIONS[device])
 
 
-def target_json(device: str) -> dict:
-    """The TVM target for kernels that run on ``device`` of this machine."""
+def cuda_arch(device_index: int | None = None) -> str:
+    """``sm_XY`` of this process's current (or the given) GPU; needs a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "torch_tvm_gemm: no CUDA GPU here to build for; cross-compile with "
+            "`python -m torch_tvm_gemm compile --target cuda --arch sm_80,...`"
+        )
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def target_json(device: str, arch: str | None = None) -> dict:
+    """The TVM target for kernels that run on ``device`` of this machine (or ``arch``)."""
     if device == "cpu":
         from .target import llvm_target_json
 
         return llvm_target_json()
+    if device == "cuda":
+        return {"kind": "cuda", "arch": arch or cuda_arch()}
     raise ValueError(f"torch_tvm_gemm: no TVM target for device {device!r}")
 
 
-def lower(spec) -> Any:
-    """The scheduled IRModule of ``spec``."""
+def lower(spec, target: dict | None = None) -> Any:
+    """The scheduled IRModule of ``spec`` (CUDA schedules depend on the target's arch)."""
     try:
         scheduler = SCHEDULES[(spec.family, spec.device)]
     except KeyError:
         raise NotImplementedError(
             f"torch_tvm_gemm: no {spec.device} schedule for {spec.family} kernels"
         ) from None
+    if spec.device == "cuda":
+        return _resolve(scheduler)(spec, (target or target_json("cuda"))["arch"])
     return _resolve(scheduler)(spec)
 
 
-def compile_spec(spec) -> tuple[Any, float]:
-    """Compile ``spec`` for its device on this machine: (tvm Executable, seconds taken)."""
+def compile_spec(spec, arch: str | None = None, arches=None) -> tuple[Any, float]:
+    """Compile ``spec`` for its device: (tvm Executable, seconds taken).
+
+    CUDA: TVM generates code for ``arch`` (default: this GPU's), nvcc then compiles it for
+    every arch in ``arches`` (default: ``[arch]``) when the result is exported; the result
+    is a ``cuda_pack.CudaExecutable``.
+    """
     import tvm
 
     start = time.perf_counter()
-    mod = lower(spec)
-    executable = tvm.compile(mod, target=tvm.target.Target(target_json(spec.device)))
+    target = target_json(spec.device, arch) if spec.device == "cuda" else target_json("cpu")
+    mod = lower(spec, target)
+    config = PASS_CONFIGS.get(spec.device)
+    with tvm.transform.PassContext(config=config) if config else contextlib.nullcontext():
+        executable = tvm.compile(mod, target=tvm.target.Target(target))
+    if spec.device == "cuda":
+        from .cuda_pack import CudaExecutable
+
+        executable = CudaExecutable(executable, arches or [target["arch"]])
     return executable, time.perf_counter() - start

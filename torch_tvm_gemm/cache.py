@@ -56,6 +56,8 @@ def _version(dist: str) -> str:
 def device_key(device: str) -> str:
     if device == "cpu":
         return host_cpu().key()
+    if device == "cuda":  # kernels are built for the current GPU's arch
+        return f"cuda-{build.cuda_arch()}"
     return device
 
 
@@ -100,7 +102,7 @@ def is_intact(path: Path) -> bool:
         return False
 
 
-def _load_cached(path: Path, name: str) -> Any | None:
+def _load_cached(path: Path, name: str, device: str = "cpu") -> Any | None:
     """The kernel function if ``path`` holds an intact cached kernel, else None."""
     from .runtime import load_kernel_file
 
@@ -118,7 +120,7 @@ def _load_cached(path: Path, name: str) -> Any | None:
         os.utime(path)  # last use, for pruning; may fail on a read-only cache
     except OSError:
         pass
-    return load_kernel_file(path, name)
+    return load_kernel_file(path, name, device)
 
 
 def _remove(path: Path) -> None:
@@ -168,7 +170,7 @@ def _writable(directory: Path) -> bool:
 def load_or_build(spec) -> Any:
     """The callable kernel for ``spec``: from the cache, or built (once) and cached."""
     path = kernel_path(spec)
-    fn = _load_cached(path, spec.name())
+    fn = _load_cached(path, spec.name(), spec.device)
     if fn is not None:
         return fn
     if os.environ.get(ENV_NO_COMPILE, "") not in ("", "0"):
@@ -189,11 +191,11 @@ def load_or_build(spec) -> Any:
         keep_alive(executable)
         return executable["main"]
     with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
-        fn = _load_cached(path, spec.name())  # built by another process while we waited?
+        fn = _load_cached(path, spec.name(), spec.device)  # built by another process meanwhile?
         if fn is not None:
             return fn
         executable, seconds = build.compile_spec(spec)
         _export(executable, path, spec, seconds)
     from .runtime import load_kernel_file
 
-    return load_kernel_file(path, spec.name())
+    return load_kernel_file(path, spec.name(), spec.device)

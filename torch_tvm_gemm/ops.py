@@ -175,6 +175,26 @@ def _device_name(t: Tensor) -> str:
 _spec = functools.lru_cache(maxsize=4096)(GemmSpec)
 
 
+CUDA_MIN_CAPABILITY = (7, 0)
+_INT32_MAX = 2**31 - 1
+
+
+def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> None:
+    """What the CUDA kernels need beyond the shared checks: a Volta or newer GPU and sizes
+    that 32-bit indices address (the kernels index in int32)."""
+    major, minor = torch.cuda.get_device_capability(a.device)
+    if (major, minor) < CUDA_MIN_CAPABILITY:
+        raise RuntimeError(
+            f"tvm_gemm: {a.device} ({torch.cuda.get_device_name(a.device)}) is sm_{major}{minor}; "
+            "the CUDA kernels need sm_70 (Volta) or newer"
+        )
+    if max(m * k, n * k, m * n) > _INT32_MAX:
+        raise ValueError(
+            f"tvm_gemm: CUDA kernels index in 32 bits; a ({m}x{k}) @ ({k}x{n}) problem has an "
+            "operand of 2**31 elements or more (split it)"
+        )
+
+
 def gemm(
     a: Tensor,
     b: Tensor,
@@ -197,22 +217,39 @@ def gemm(
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
         zero = bias.expand(m, n) if bias is not None else torch.zeros_like(out)
         return out.copy_(_ACT_FN[activation](zero))
+    device = _device_name(a)
+    cuda = device == "cuda"
+    if cuda:
+        _check_cuda(a, b, m, n, k)
     spec = _spec(
         _DTYPE_NAMES[a.dtype],
         n,
-        k if static_k else None,
+        k if static_k or cuda else None,  # CUDA tiles and loads are specialised on K
         b_layout,
         bias is not None,
         activation,
         "gemv" if m <= GEMV_MAX_M else "gemm",
-        _device_name(a),
+        device,
     )
     kernel = get_kernel(spec)
-    sync_threads()
     args = [a.contiguous(), b.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
-    kernel(*args, out)
+    if a.is_cuda:
+        # The kernels use 16-byte vector loads and stores: a view starting mid-vector
+        # (a storage offset, a batch slice of `out`) goes through an aligned copy.
+        args = [t if t.data_ptr() % 16 == 0 else t.clone() for t in args]
+        dest = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+        # tvm_ffi launches on torch's current stream of the tensors' device (it asks torch
+        # through DLPack); the kernel sets the CUDA device of its arguments, so keep torch's
+        # current device as the caller had it.
+        with torch.cuda.device(a.device):
+            kernel(*args, dest)
+        if dest is not out:
+            out.copy_(dest)
+    else:
+        sync_threads()
+        kernel(*args, out)
     return out
 
 
@@ -566,7 +603,7 @@ torch.library.register_autograd(
 # is registered per dispatch key; use_impl() switches, for tests and benchmarks.
 
 _cpp_miss = threading.local()  # the miss handler's last exception, per thread
-PY_IMPL_KEYS = ("CPU",)  # dispatch keys the Python impls serve
+PY_IMPL_KEYS = ("CPU", "CUDA")  # dispatch keys the Python impls serve
 _py_impls: torch.library.Library | None = None  # the Python registrations now active
 _impl_path = ""
 
@@ -625,7 +662,7 @@ def _get_kernel_for_cpp(
 
 
 def impl_path() -> str:
-    """ "cpp" when the C++ impls serve the ops, else "python"."""
+    """Which impls serve the ops: ``"cpp"`` (the C++ extension) or ``"python"``."""
     return _impl_path
 
 

@@ -20,26 +20,37 @@ from typing import Any
 import torch
 import tvm_ffi
 
+ENV_RUNTIME_LIB_DIR = "TVM_GEMM_RUNTIME_LIB_DIR"  # folder with libtvm_runtime*.so (no tvm)
+
 _lock = threading.RLock()
 _table: dict[Any, Any] = {}  # spec -> kernel function
 _alive: list[Any] = []  # modules / executables whose functions we hand out
 _clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 _runtime_loaded = False
+_cuda_runtime_loaded = False
 _threads = 0
 
 
 def tvm_lib_dir() -> Path:
-    """The apache-tvm wheel's ``lib`` folder, found without importing ``tvm``."""
+    """Where ``libtvm_runtime*.so`` are: ``$TVM_GEMM_RUNTIME_LIB_DIR``, else the apache-tvm
+    wheel's ``lib`` folder (found without importing ``tvm``)."""
+    if os.environ.get(ENV_RUNTIME_LIB_DIR):
+        return Path(os.environ[ENV_RUNTIME_LIB_DIR])
     spec = importlib.util.find_spec("tvm")
     if spec is None or spec.origin is None:
-        raise ImportError("torch_tvm_gemm: apache-tvm is not installed (pip install apache-tvm)")
+        raise ImportError(
+            "torch_tvm_gemm: the TVM runtime was not found: pip install apache-tvm, or set "
+            f"{ENV_RUNTIME_LIB_DIR} to a folder holding libtvm_runtime.so (and "
+            "libtvm_runtime_cuda.so for CUDA) copied from the apache-tvm wheel"
+        )
     return Path(spec.origin).parent / "lib"
 
 
-def ensure_runtime() -> None:
-    """Load ``libtvm_runtime.so`` once, globally, before the first kernel."""
-    global _runtime_loaded
-    if _runtime_loaded:
+def ensure_runtime(device: str = "cpu") -> None:
+    """Load ``libtvm_runtime.so`` once, globally, before the first kernel; for CUDA kernels
+    also ``libtvm_runtime_cuda.so`` (it registers the loader of CUDA device modules)."""
+    global _runtime_loaded, _cuda_runtime_loaded
+    if _runtime_loaded and (device != "cuda" or _cuda_runtime_loaded):
         return
     with _lock:
         if not _runtime_loaded:
@@ -49,6 +60,34 @@ def ensure_runtime() -> None:
             os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
             ctypes.CDLL(str(tvm_lib_dir() / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
             _runtime_loaded = True
+        if device == "cuda" and not _cuda_runtime_loaded:
+            _load_cuda_runtime()
+            _cuda_runtime_loaded = True
+
+
+def _load_cuda_runtime() -> None:
+    # libtvm_runtime_cuda.so needs libcudart.so.13; a pip-installed torch keeps it in its
+    # nvidia/cu13/lib (or cuda_runtime/lib) folder, off the loader's path: load it first.
+    import torch  # noqa: F401 (its CUDA libraries, when it has them, load with it)
+
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for sub in ("cu13/lib", "cuda_runtime/lib"):
+                for lib in sorted(Path(base, sub).glob("libcudart.so.*")):
+                    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                    break
+    except ImportError:
+        pass
+    path = tvm_lib_dir() / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise RuntimeError(
+            f"torch_tvm_gemm: cannot load the TVM CUDA runtime {path}: {err} (it needs the "
+            "CUDA driver and libcudart.so.13)"
+        ) from err
 
 
 def sync_threads() -> None:
@@ -71,9 +110,9 @@ def keep_alive(obj: Any) -> None:
     _alive.append(obj)
 
 
-def load_kernel_file(path: os.PathLike, name: str) -> Any:
+def load_kernel_file(path: os.PathLike, name: str, device: str = "cpu") -> Any:
     """Load an exported kernel library and return its ``main`` function."""
-    ensure_runtime()
+    ensure_runtime(device)
     try:
         module = tvm_ffi.load_module(str(path))
         fn = module["main"]
@@ -91,11 +130,23 @@ def get_kernel(spec) -> Any:
     with _lock:  # one build per kernel in this process; other processes: cache.py's lock
         fn = _table.get(spec)
         if fn is None:
+            fn = _from_pack(spec)
+        if fn is None:
             from .cache import load_or_build
 
             fn = load_or_build(spec)
-            _table[spec] = fn
+        _table[spec] = fn
     return fn
+
+
+def _from_pack(spec) -> Any | None:
+    """CUDA kernels come from a loaded kernel pack first (built elsewhere, cuda_pack.py)."""
+    if spec.device != "cuda":
+        return None
+    from . import cuda_pack
+    from .build import cuda_arch
+
+    return cuda_pack.lookup(spec, cuda_arch())
 
 
 def on_clear_table(hook: Callable[[], None]) -> None:

@@ -69,7 +69,14 @@ def apply_activation(x, activation: str, dtype: str):
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def gemm_compute(spec: GemmSpec, m_pad: int = 1, n_pad: int = 1):
+def gemm_compute(
+    spec: GemmSpec,
+    m_pad: int = 1,
+    n_pad: int = 1,
+    k_pad: int = 1,
+    operand_dtype: str | None = None,
+    granule: int = 1,
+):
     """Return the unscheduled PrimFunc ``main(A, B, [bias,] out)`` for ``spec``.
 
     The reduction runs over a padded domain, M and N rounded up to ``m_pad`` / ``n_pad``
@@ -78,10 +85,18 @@ def gemm_compute(spec: GemmSpec, m_pad: int = 1, n_pad: int = 1):
     (``Schedule.pad_einsum`` would do this, but in TVM 0.27 it drops a non-constant
     reduction init, i.e. the bias.)
 
-    Stages: "A_pad" / "B_pad" give the operands in the accumulation dtype on the padded
-    domain (the schedule inlines them or turns them into packed copies); "acc" is the
-    reduction, from zero; "out" adds the bias, applies the activation once to the final sum
-    and casts back to the input dtype.
+    ``k_pad`` > 1 rounds K up too, the padded columns of A and rows of B reading as zero
+    (tensor-core tiles need whole K steps; a zero adds nothing to the sum).
+
+    ``granule`` (a divisor of K and N) makes the clamps and K tests along a contiguous axis
+    act on whole groups of ``granule`` elements, so that a vectorized copy of a group stays
+    one contiguous (16-byte, ``cp.async``) load: ``min(j, N - 1)`` would make it a gather.
+
+    Stages: "A_pad" / "B_pad" give the operands in ``operand_dtype`` (default: the
+    accumulation dtype) on the padded domain (the schedule inlines them or turns them into
+    packed or shared-memory copies; CUDA keeps the input dtype there, the tensor-core operand
+    type, and converts in "acc"); "acc" is the reduction, from zero; "out" adds the bias,
+    applies the activation once to the final sum and casts back to the input dtype.
 
     Why the bias is not the reduction's init: TVM 0.27 drops a non-constant init in
     ``compute_inline`` of a producer and ``pad_einsum``, and ``rfactor`` would add it to
@@ -96,27 +111,44 @@ def gemm_compute(spec: GemmSpec, m_pad: int = 1, n_pad: int = 1):
     N = tirx.const(spec.n, "int64")
     Mp = (M + m_pad - 1) // m_pad * m_pad
     Np = tirx.const((spec.n + n_pad - 1) // n_pad * n_pad, "int64")
+    Kp = (K + k_pad - 1) // k_pad * k_pad
+    opd = operand_dtype or acc
     A = te.placeholder((M, K), spec.dtype, name="A")
     B = te.placeholder((K, N) if spec.b_layout == "kn" else (N, K), spec.dtype, name="B")
     bias = te.placeholder((N,), spec.dtype, name="bias")
 
+    g = granule
+
     def row(i):  # padded row -> a real one (its result is discarded)
         return te.min(i, M - 1) if m_pad > 1 else i
 
-    def col(j):
-        return te.min(j, N - 1) if Np.value != N.value else j
+    def col(j):  # padded column -> a real one; per group of g (N % g == 0)
+        if Np.value == N.value:
+            return j
+        return te.min(j // g, (N - 1) // g) * g + j % g if g > 1 else te.min(j, N - 1)
 
-    a_op = te.compute((Mp, K), lambda i, k: A[row(i), k].astype(acc), name="A_pad")
+    k_padded = k_pad > 1 and not (spec.k is not None and spec.k % k_pad == 0)
+
+    def load(value, k):  # zero beyond K (only when K is padded: no select otherwise)
+        value = value.astype(opd)
+        inside = k // g < K // g if g > 1 else k < K  # (K % g == 0: the same test)
+        return te.if_then_else(inside, value, tirx.const(0, opd)) if k_padded else value
+
+    a_op = te.compute((Mp, Kp), lambda i, k: load(A[row(i), k], k), name="A_pad")
     if spec.b_layout == "kn":
-        b_op = te.compute((K, Np), lambda k, j: B[k, col(j)].astype(acc), name="B_pad")
+        b_op = te.compute((Kp, Np), lambda k, j: load(B[k, col(j)], k), name="B_pad")
     else:
-        b_op = te.compute((Np, K), lambda j, k: B[col(j), k].astype(acc), name="B_pad")
+        b_op = te.compute((Np, Kp), lambda j, k: load(B[col(j), k], k), name="B_pad")
 
     def b_at(k, j):
         return b_op[k, j] if spec.b_layout == "kn" else b_op[j, k]
 
-    r = te.reduce_axis((0, K), name="k")
-    acc_t = te.compute((Mp, Np), lambda i, j: te.sum(a_op[i, r] * b_at(r, j), axis=r), name="acc")
+    r = te.reduce_axis((0, Kp), name="k")
+    acc_t = te.compute(
+        (Mp, Np),
+        lambda i, j: te.sum(a_op[i, r].astype(acc) * b_at(r, j).astype(acc), axis=r),
+        name="acc",
+    )
 
     def final(i, j):
         if spec.bias:

@@ -1,0 +1,112 @@
+"""TVM kernels vs PyTorch (cuBLAS) on this GPU: one table, ratios measured in the same run.
+
+    python benchmarks/gpu_bench.py [--reps 20] [--json out.json]
+
+Workloads: ``torch_tvm_gemm.cuda_cases.BENCH_CASES`` (bf16/fp16 GEMM at 512^3, 4096^3,
+8192^3; linear + bias + relu at M = N = K = 4096), the kernels of ``compile --preset bench``.
+Targets (issue 4, H200, mma.sync): GEMM 4096^3 / 8192^3 >= 0.8x torch.matmul, 512^3 >= 0.7x,
+linear + bias + relu >= 1.0x F.linear + relu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torch_tvm_gemm  # noqa: F401 (registers the ops)
+from torch_tvm_gemm.cuda_cases import BENCH_CASES, Case
+
+TARGETS = {512: 0.7, 4096: 0.8, 8192: 0.8}
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median time of ``fn`` in ms, CUDA events, after warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def torch_version_of(case: Case, args):
+    if case.op == "matmul":
+        return lambda: torch.matmul(*args)
+    x, w, b, _ = args
+    return lambda: F.relu(F.linear(x, w, b))
+
+
+def target_of(case: Case) -> float:
+    return 1.0 if case.op == "linear" else TARGETS[case.k]
+
+
+def bench(case: Case, reps: int) -> dict:
+    args = case.inputs("cuda")
+    start = time.perf_counter()
+    out = case.run(*args)  # first call: loads the kernel from the pack
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - start
+    err = (out.float() - case.reference(*args).float()).abs().max().item()
+    ours = time_ms(lambda: case.run(*args), reps)
+    theirs = time_ms(torch_version_of(case, args), reps)
+    flops = 2 * case.m * case.n * case.k
+    return {
+        "op": case.op + ("+bias+relu" if case.op == "linear" else ""),
+        "dtype": str(case.dtype).replace("torch.", ""),
+        "shape": f"{case.m}x{case.n}x{case.k}",
+        "tvm_ms": ours,
+        "torch_ms": theirs,
+        "tvm_tflops": flops / ours / 1e9,
+        "torch_tflops": flops / theirs / 1e9,
+        "ratio": theirs / ours,
+        "target": target_of(case),
+        "max_abs_err": err,
+        "first_call_s": load_s,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    header = (
+        f"{'op':<16}{'dtype':<10}{'M x N x K':<17}{'TVM ms':>9}{'torch ms':>10}"
+        f"{'TVM TF/s':>10}{'torch TF/s':>11}{'ratio':>7}{'target':>8}{'max err':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for case in BENCH_CASES:
+        try:
+            row = bench(case, args.reps)
+        except Exception as err:  # one failing kernel must not hide the others
+            print(f"{case.op:<16}{str(case.dtype):<10} FAILED: {err}")
+            continue
+        rows.append(row)
+        flag = "ok" if row["ratio"] >= row["target"] else "LOW"
+        print(
+            f"{row['op']:<16}{row['dtype']:<10}{row['shape']:<17}{row['tvm_ms']:>9.3f}"
+            f"{row['torch_ms']:>10.3f}{row['tvm_tflops']:>10.1f}{row['torch_tflops']:>11.1f}"
+            f"{row['ratio']:>7.2f}{row['target']:>6.1f} {flag:<3}{row['max_abs_err']:>8.1e}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if len(rows) == len(BENCH_CASES) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

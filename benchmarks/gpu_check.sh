@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA kernels: GPU tests + benchmark vs torch, on a machine WITHOUT apache-tvm.
+#
+# Two steps:
+#
+# 1. Here (build machine: apache-tvm, nvcc, registry access, no GPU needed), from the repo root:
+#        bash benchmarks/gpu_check.sh prepare [sm_90]
+#    fills .gpu_carry/ (git-ignored, ~10 MB; the device tool's carry limit is 64 MiB):
+#        wheels/  apache-tvm-ffi 0.1.14.post1 (cp312) and pytest (+ deps) for Python 3.12
+#        lib/     libtvm_runtime.so and libtvm_runtime_cuda.so copied from the apache-tvm wheel
+#        pack/    the kernels of the GPU tests and the benchmark, cross-compiled for the arch
+#                 (`python -m torch_tvm_gemm compile --preset all`), with manifest.json
+#
+# 2. On the GPU machine (H200 image: Python 3.12, torch 2.11 + CUDA 13, no apache-tvm), through
+#    the device tool, from the repo root; nothing comes from ../shared, only the working tree
+#    and the carried folder:
+#        run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
+#    It installs the carried wheels, runs tests/test_cuda_ops.py (kernels from the pack only:
+#    TVM_GEMM_NO_COMPILE=1) and benchmarks/gpu_bench.py, and prints one table. Budget: tests
+#    < 4 min, benchmark < 3 min; each step has its own timeout so the table always prints.
+#    Results are also written to $OUT (gpu_bench.json, pytest.log) when $OUT is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CARRY=.gpu_carry
+
+if [[ "${1:-run}" == "prepare" ]]; then
+    ARCH=${2:-sm_90}
+    rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/lib"
+    pip download --quiet --python-version 3.12 --only-binary=:all: --no-deps \
+        -d "$CARRY/wheels" apache-tvm-ffi==0.1.14.post1
+    pip download --quiet --python-version 3.12 --only-binary=:all: \
+        -d "$CARRY/wheels" pytest
+    TVM_LIB=$(python -c "import importlib.util, pathlib; \
+print(pathlib.Path(importlib.util.find_spec('tvm').origin).parent / 'lib')")
+    cp "$TVM_LIB/libtvm_runtime.so" "$TVM_LIB/libtvm_runtime_cuda.so" "$CARRY/lib/"
+    python -m torch_tvm_gemm compile --target cuda --arch "$ARCH" --preset all --out "$CARRY/pack"
+    du -sh "$CARRY"
+    exit 0
+fi
+
+OUT_DIR=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT_DIR"
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo '?')"
+python -m pip install --quiet --no-index --find-links "$CARRY/wheels" apache-tvm-ffi pytest 2>&1 \
+    | grep -v "root user" || true
+export TVM_GEMM_RUNTIME_LIB_DIR="$PWD/$CARRY/lib"
+export TVM_GEMM_PACK="$PWD/$CARRY/pack"
+export TVM_GEMM_NO_COMPILE=1
+export TVM_GEMM_CACHE_DIR=/tmp/tvm_gemm_cache
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== GPU tests (tests/test_cuda_ops.py)"
+set +e
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py 2>&1 \
+    | tee "$OUT_DIR/pytest.log" | tail -40
+echo "== benchmark vs torch (benchmarks/gpu_bench.py)"
+timeout 200 python benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json"
+status=$?
+set -e
+echo "== done (benchmark exit $status)"

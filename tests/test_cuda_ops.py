@@ -1,0 +1,120 @@
+"""The ops on a GPU: numerics vs PyTorch, opcheck, autograd, torch.compile, streams, CUDA
+graphs, bad input. Skipped when torch.cuda.is_available() is false.
+
+Kernels come from a pack (``TVM_GEMM_PACK``, built elsewhere with ``python -m torch_tvm_gemm
+compile --preset test``) or are built here when apache-tvm and nvcc are installed. The
+workloads are the table of ``torch_tvm_gemm.cuda_cases``, which is also what ``--preset
+test`` builds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_tvm_gemm.cuda_cases import GRAD_CASES, TEST_CASES, Case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _tol(case: Case) -> dict:
+    if case.dtype == torch.float32:  # fp32 SIMT kernels accumulate in a different order
+        return {"rtol": 1e-4, "atol": 1e-4 * case.k**0.5}
+    eps = 2**-7 if case.dtype == torch.bfloat16 else 2**-10
+    return {"rtol": 2 * eps, "atol": 2 * eps * case.k**0.5 / 4}
+
+
+def _check(case: Case, out, args) -> None:
+    expected = case.reference(*args)
+    assert out.dtype == case.dtype and out.device == args[0].device
+    torch.testing.assert_close(out.float(), expected.float(), **_tol(case))
+
+
+@pytest.mark.parametrize("case", TEST_CASES, ids=lambda c: f"{c.op}-{c.dtype}-{c.m}x{c.n}x{c.k}")
+def test_numerics_vs_torch(case):
+    args = case.inputs("cuda")
+    _check(case, case.run(*args), args)
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: f"{c.op}-{c.dtype}")
+def test_autograd_matches_torch(case):
+    args = case.inputs("cuda", requires_grad=True)
+    ref_args = [a.detach().clone().requires_grad_(True) if torch.is_tensor(a) else a for a in args]
+    case.run(*args).float().sum().backward()
+    case.reference(*ref_args).float().sum().backward()
+    for got, want in zip(args, ref_args, strict=True):
+        if torch.is_tensor(got):
+            torch.testing.assert_close(got.grad.float(), want.grad.float(), **_tol(case))
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: f"{c.op}-{c.dtype}")
+def test_opcheck(case):
+    args = case.inputs("cuda", requires_grad=True)
+    op = torch.ops.tvm_gemm.matmul if case.op == "matmul" else torch.ops.tvm_gemm.linear
+    torch.library.opcheck(op.default, args)
+
+
+def test_torch_compile_fullgraph():
+    case = GRAD_CASES[1]
+    args = case.inputs("cuda")
+    compiled = torch.compile(case.run, fullgraph=True)
+    _check(case, compiled(*args), args)
+
+
+def test_runs_on_the_current_stream():
+    case = TEST_CASES[1]
+    args = case.inputs("cuda")
+    case.run(*args)  # load the kernel first
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # A long op queued first on the side stream: a kernel launched on another stream
+        # would race it and read the inputs before they are written.
+        a = args[0] * 0 + args[0]
+        out = case.run(a, *args[1:])
+    side.synchronize()
+    _check(case, out, args)
+
+
+def test_cuda_graph_capture():
+    case = GRAD_CASES[1]
+    args = case.inputs("cuda")
+    case.run(*args)  # load outside the capture
+    static_x = args[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = case.run(static_x, *args[1:])
+    new_x = case.inputs("cuda", seed=1)[0]
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(case, out, (new_x, *args[1:]))
+
+
+def test_cpu_cuda_mix_is_rejected():
+    a = torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="all tensors must be on one device"):
+        torch.ops.tvm_gemm.matmul(a, torch.randn(8, 4))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_are_rejected():
+    a = torch.randn(4, 8, device="cuda:0")
+    with pytest.raises(RuntimeError, match="all tensors must be on one device"):
+        torch.ops.tvm_gemm.matmul(a, torch.randn(8, 4, device="cuda:1"))
+
+
+def test_unsupported_dtype_is_rejected():
+    a = torch.ones(4, 8, device="cuda", dtype=torch.int32)
+    with pytest.raises(TypeError, match="must be float32, float64, bfloat16 or float16"):
+        torch.ops.tvm_gemm.matmul(a, a.t())
+
+
+def test_old_arch_is_rejected(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (6, 0))
+    a = torch.randn(4, 8, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="sm_60.*sm_70"):
+        torch.ops.tvm_gemm.matmul(a, a.t().contiguous())

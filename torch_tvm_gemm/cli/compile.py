@@ -1,0 +1,88 @@
+"""``compile``: cross-compile CUDA kernels into a pack, on a machine without a GPU.
+
+    python -m torch_tvm_gemm compile --target cuda --arch sm_80,sm_90 \\
+        --ops linear:bfloat16:4096:4096:bias+relu matmul:float16:1024:1024 --out pack/
+    python -m torch_tvm_gemm compile --target cuda --preset bench --out pack/
+
+An op is ``OP:DTYPE:N:K[:EPILOGUE]``: OP ``matmul`` (B is (K, N)) or ``linear`` (weight
+(N, K)); EPILOGUE (linear only) ``bias``, ``relu``, ``gelu``, ``bias+relu``, ``bias+gelu``.
+Each op is built in both M variants (small M <= 16 and general) unless ``--variants`` says
+otherwise. A GPU process loads the pack with ``TVM_GEMM_PACK=pack/`` (runtime only).
+"""
+
+from __future__ import annotations
+
+import time
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compile", help="cross-compile CUDA kernels (nvcc, no GPU) into a pack")
+    p.add_argument("--target", default="cuda", choices=["cuda"])
+    p.add_argument("--arch", default="sm_80,sm_90", help="comma-separated, e.g. sm_80,sm_90")
+    p.add_argument("--ops", nargs="*", default=[], help="OP:DTYPE:N:K[:EPILOGUE] ...")
+    p.add_argument(
+        "--preset", choices=["test", "bench", "all"], help="kernels of the GPU tests/bench"
+    )
+    p.add_argument("--variants", default="gemm,gemv", help="M variants for --ops (gemm,gemv)")
+    p.add_argument("--out", required=True, help="pack folder to write")
+    p.set_defaults(func=run)
+
+
+def parse_op(text: str, variants: list[str]) -> list:
+    """``linear:bfloat16:4096:4096:bias+relu`` -> GemmSpecs (one per M variant)."""
+    from ..kernels.gemm import GemmSpec
+
+    parts = text.split(":")
+    if len(parts) not in (4, 5) or parts[0] not in ("matmul", "linear") or parts[1] not in DTYPES:
+        raise SystemExit(
+            f"compile: bad op {text!r}; expected OP:DTYPE:N:K[:EPILOGUE], OP matmul|linear, "
+            f"DTYPE one of {', '.join(DTYPES)}"
+        )
+    op, dtype, n, k = parts[0], parts[1], int(parts[2]), int(parts[3])
+    epilogue = set(parts[4].split("+")) if len(parts) == 5 else set()
+    if epilogue - {"bias", "relu", "gelu"} or {"relu", "gelu"} <= epilogue:
+        raise SystemExit(f"compile: bad epilogue in {text!r} (bias, relu, gelu, bias+relu, ...)")
+    if epilogue and op == "matmul":
+        raise SystemExit(f"compile: {text!r}: matmul has no epilogue (use linear)")
+    activation = next((a for a in ("relu", "gelu") if a in epilogue), "none")
+    return [
+        GemmSpec(
+            dtype=dtype,
+            n=n,
+            k=k,
+            b_layout="kn" if op == "matmul" else "nk",
+            bias="bias" in epilogue,
+            activation=activation,
+            variant=variant,
+            device="cuda",
+        )
+        for variant in variants
+    ]
+
+
+def run(args) -> int:
+    from .. import cuda_pack
+    from ..schedules.cuda import MIN_ARCH, arch_number
+
+    arches = cuda_pack.normalize_arches(args.arch)
+    old = [a for a in arches if arch_number(a) < MIN_ARCH]
+    if old:
+        raise SystemExit(f"compile: {', '.join(old)} not supported (sm_70 or newer)")
+    cuda_pack.find_nvcc()  # fail early, with the message saying how to get nvcc
+    variants = [v for v in args.variants.split(",") if v]
+    specs = []
+    if args.preset:
+        from ..cuda_cases import pack_specs
+
+        specs += pack_specs(args.preset)
+    for text in args.ops:
+        specs += [s for s in parse_op(text, variants) if s not in specs]
+    if not specs:
+        raise SystemExit("compile: nothing to build (give --ops or --preset)")
+    print(f"building {len(specs)} CUDA kernels for {', '.join(arches)} into {args.out}")
+    start = time.perf_counter()
+    manifest = cuda_pack.write_pack(specs, arches, args.out)
+    print(f"wrote {manifest} in {time.perf_counter() - start:.0f} s")
+    return 0

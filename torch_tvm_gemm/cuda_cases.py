@@ -1,0 +1,135 @@
+"""The CUDA workloads of the GPU tests and the benchmark, in one table.
+
+A machine without ``tvm`` runs only the kernels of a pack built elsewhere, so the pack must
+hold exactly the kernels those workloads call, backward passes included. Rather than
+re-deriving them from the ops' logic, ``record_specs`` runs the workloads on CPU tensors
+with the kernel lookup replaced by a recorder that pretends to be on CUDA: the specs it
+sees are the ones a GPU run asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # "matmul" (B is (K, N)) or "linear" (weight (N, K), optional bias, activation)
+    dtype: torch.dtype
+    m: int
+    n: int
+    k: int
+    bias: bool = False
+    activation: str = "none"
+
+    def inputs(self, device, requires_grad: bool = False, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+
+        def rand(*shape):
+            t = (torch.randn(*shape, generator=g) / self.k**0.25).to(self.dtype).to(device)
+            return t.requires_grad_(requires_grad)
+
+        if self.op == "matmul":
+            return (rand(self.m, self.k), rand(self.k, self.n))
+        bias = rand(self.n) if self.bias else None
+        return (rand(self.m, self.k), rand(self.n, self.k), bias, self.activation)
+
+    def run(self, *args):
+        if self.op == "matmul":
+            return torch.ops.tvm_gemm.matmul(*args)
+        return torch.ops.tvm_gemm.linear(*args)
+
+    def reference(self, *args):
+        """The same in PyTorch, accumulated in float32 (float64 for float64)."""
+        wide = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if self.op == "matmul":
+            a, b = args
+            return (a.to(wide) @ b.to(wide)).to(self.dtype)
+        x, w, b, act = args
+        y = torch.nn.functional.linear(x.to(wide), w.to(wide), None if b is None else b.to(wide))
+        y = {"none": y, "relu": torch.relu(y), "gelu": torch.nn.functional.gelu(y)}[act]
+        return y.to(self.dtype)
+
+
+NARROW = (torch.float16, torch.bfloat16)
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Numerics, odd shapes (M not a tile multiple; N, K odd or not multiples of 8 / 32).
+TEST_CASES = [
+    Case(op, dt, m, n, k, bias, act)
+    for dt in GPU_DTYPES
+    for (op, m, n, k, bias, act) in [
+        ("matmul", 7, 64, 40, False, "none"),  # small M: the "gemv" variant
+        ("matmul", 127, 96, 72, False, "none"),
+        ("matmul", 33, 33, 7, False, "none"),  # odd N and K: narrow loads
+        ("linear", 129, 200, 136, True, "relu"),
+        ("linear", 5, 64, 64, True, "gelu"),
+        ("linear", 300, 256, 1000, False, "none"),  # K padded to the K tile
+    ]
+]
+# Autograd / opcheck / torch.compile / CUDA graph: a few of the above, with backward.
+GRAD_CASES = [
+    Case("matmul", torch.bfloat16, 33, 64, 48),
+    Case("linear", torch.float16, 40, 72, 56, True, "relu"),
+    Case("linear", torch.float32, 24, 40, 32, True, "gelu"),
+]
+BENCH_CASES = [
+    Case("matmul", dt, s, s, s) for s in (512, 4096, 8192) for dt in (torch.bfloat16, torch.float16)
+] + [Case("linear", dt, 4096, 4096, 4096, True, "relu") for dt in (torch.bfloat16, torch.float16)]
+
+
+@contextlib.contextmanager
+def _recording(found: list):
+    """Route ops.gemm's kernel lookups to a recorder that pretends to be on CUDA."""
+    from . import ops
+
+    def fake_kernel(*args):
+        return None
+
+    def record(spec):
+        found.append(spec)
+        return fake_kernel
+
+    saved = ops.get_kernel, ops._device_name
+    # The patches act on the Python impls (ops.gemm); the C++ ones would bypass them, and keep
+    # the fake kernel in their table.
+    path = ops.use_impl("python")
+    ops.get_kernel, ops._device_name = record, lambda t: "cuda"
+    try:
+        yield
+    finally:
+        ops.get_kernel, ops._device_name = saved
+        ops.use_impl(path)
+
+
+def record_specs(cases, backward: bool = False) -> list:
+    """The kernel specs a GPU run of ``cases`` (and their backward) would ask for."""
+    found: list = []
+    with _recording(found):
+        for case in cases:
+            args = case.inputs("cpu", requires_grad=backward)
+            out = case.run(*args)
+            if backward:
+                out.float().sum().backward()
+    unique = []
+    for spec in found:
+        if spec not in unique:
+            unique.append(spec)
+    return unique
+
+
+def pack_specs(preset: str) -> list:
+    """Specs of a named preset: "test" (GPU tests) or "bench" (benchmark), or "all"."""
+    if preset == "test":
+        return record_specs(TEST_CASES) + [
+            s for s in record_specs(GRAD_CASES, backward=True) if s not in record_specs(TEST_CASES)
+        ]
+    if preset == "bench":
+        return record_specs(BENCH_CASES)
+    if preset == "all":
+        specs = pack_specs("test")
+        return specs + [s for s in pack_specs("bench") if s not in specs]
+    raise ValueError(f"torch_tvm_gemm: unknown preset {preset!r} (test, bench, all)")
