@@ -89,7 +89,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff"],
+        # cuobjdump / nvdisasm read the SASS of the cross-compiled CUDA kernels in the tests.
+        "test": ["pytest", "hypothesis", "ruff", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],
         "tune": ["psutil", "xgboost", "cloudpickle", "tornado"],
         "plot": ["matplotlib"],
     },

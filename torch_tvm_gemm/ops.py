@@ -219,7 +219,7 @@ def gemm(
         return out.copy_(_ACT_FN[activation](zero))
     device = _device_name(a)
     cuda = device == "cuda"
-    if cuda:
+    if a.is_cuda:
         _check_cuda(a, b, m, n, k)
     spec = _spec(
         _DTYPE_NAMES[a.dtype],
