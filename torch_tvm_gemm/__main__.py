@@ -14,6 +14,7 @@ import sys
 # does any work).
 COMMAND_MODULES = [
     "torch_tvm_gemm.cli.demo",
+    "torch_tvm_gemm.cli.bench_overhead",
     "torch_tvm_gemm.cli.bench",
     "torch_tvm_gemm.cli.bench_conv",
     "torch_tvm_gemm.cli.compile",

@@ -13,6 +13,7 @@ import ctypes
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ ENV_RUNTIME_LIB_DIR = "TVM_GEMM_RUNTIME_LIB_DIR"  # folder with libtvm_runtime*.
 _lock = threading.RLock()
 _table: dict[Any, Any] = {}  # spec -> kernel function
 _alive: list[Any] = []  # modules / executables whose functions we hand out
+_clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 _runtime_loaded = False
 _cuda_runtime_loaded = False
 _threads = 0
@@ -153,7 +155,14 @@ def _from_pack(spec) -> Any | None:
     return cuda_pack.lookup(spec, cuda_arch())
 
 
+def on_clear_table(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever the table is cleared (for tables that cache our functions)."""
+    _clear_hooks.append(hook)
+
+
 def clear_table() -> None:
     """Forget loaded kernels (tests; after clearing the disk cache)."""
     with _lock:
         _table.clear()
+        for hook in _clear_hooks:
+            hook()

@@ -1,0 +1,512 @@
+// C++ implementations of the tvm_gemm ops: the per-call hot path.
+//
+// The schemas, fake kernels and autograd formulas live in torch_tvm_gemm/ops.py; so does the
+// Python implementation that this file mirrors (_matmul_impl, _linear_impl, gemm). What moves
+// here is only what runs on every call: validation, the kernel-table lookup, the output
+// allocation and the call into the TVM function. Python still decides *which* kernel to use
+// and builds or loads it: on a table miss we call back once into Python through the tvm-ffi
+// global function "tvm_gemm.get_kernel" and keep the returned function handle.
+//
+// Why C++ at all: a Python impl registered with torch.library costs ~6 us per call (the
+// dispatcher boxes the arguments and enters the interpreter), more than the whole 16x16 GEMM.
+//
+// Registration is dynamic (a torch::Library object created by register_impls() and destroyed
+// by unregister_impls()) rather than a static TORCH_LIBRARY_IMPL block, so that ops.py can
+// switch one process between this path and the Python one (tests and the overhead benchmark
+// compare both; TVM_GEMM_PYTHON_IMPL=1 selects Python at import). A static block would
+// register the moment the library is loaded and could not be taken back.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace tvm_gemm {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Configuration handed over by ops.py at registration, so that the constants have one home
+// (schedules/cpu.py GEMV_MAX_M, kernels/gemm.py ACTIVATIONS, ops.py SUPPORTED_DTYPES).
+
+struct DtypeInfo {
+  at::ScalarType scalar;
+  const char* name;  // GemmSpec.dtype
+  DLDataType dl;
+};
+
+// Every dtype this file knows how to describe to TVM. Which of them are *accepted* is decided
+// by the list ops.py passes in (SUPPORTED_DTYPES); a name missing here fails registration.
+constexpr std::array<DtypeInfo, 4> kKnownDtypes{{
+    {at::kFloat, "float32", DLDataType{kDLFloat, 32, 1}},
+    {at::kDouble, "float64", DLDataType{kDLFloat, 64, 1}},
+    {at::kBFloat16, "bfloat16", DLDataType{kDLBfloat, 16, 1}},
+    {at::kHalf, "float16", DLDataType{kDLFloat, 16, 1}},
+}};
+
+struct Config {
+  int64_t gemv_max_m = 0;
+  std::vector<std::string> activations;
+  std::vector<const DtypeInfo*> dtypes;
+  int none_activation = 0;  // index of "none" in activations
+};
+
+// Written only by register_impls() while no impl is registered, read by the impls afterwards.
+Config g_config;
+
+const DtypeInfo* find_dtype(at::ScalarType s) {
+  for (const DtypeInfo* d : g_config.dtypes) {
+    if (d->scalar == s) return d;
+  }
+  return nullptr;
+}
+
+int find_activation(c10::string_view act) {
+  for (size_t i = 0; i < g_config.activations.size(); ++i) {
+    if (act == g_config.activations[i]) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation. These predicates accept exactly what ops.check_matmul / check_linear accept.
+// They only say yes or no: on "no" we call the Python check itself, which raises the error
+// (same type, same text as the Python path, with nothing to keep in sync but the predicate).
+
+bool tensor_ok(const at::Tensor& t, int64_t min_rank, int64_t max_rank) {
+  return find_dtype(t.scalar_type()) != nullptr && t.dim() >= min_rank && t.dim() <= max_rank;
+}
+
+bool same_ok(const at::Tensor& t1, const at::Tensor& t2) {
+  return t1.scalar_type() == t2.scalar_type() && t1.device() == t2.device();
+}
+
+bool matmul_ok(const at::Tensor& a, const at::Tensor& b) {
+  if (!tensor_ok(a, 2, 3) || !tensor_ok(b, 2, 3) || !same_ok(a, b)) return false;
+  if (a.size(-1) != b.size(-2)) return false;
+  if (b.dim() == 3) {
+    const int64_t ba = a.dim() == 3 ? a.size(0) : 1;
+    const int64_t bb = b.size(0);
+    if (!(ba == bb || ba == 1 || bb == 1)) return false;
+  }
+  return true;
+}
+
+bool linear_ok(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+               int act) {
+  if (act < 0 || !tensor_ok(x, 1, 8) || !tensor_ok(w, 2, 2) || !same_ok(x, w)) return false;
+  if (x.size(-1) != w.size(1)) return false;
+  if (bias.has_value()) {
+    const at::Tensor& bt = *bias;
+    if (!tensor_ok(bt, 1, 1) || !same_ok(x, bt) || bt.size(0) != w.size(0)) return false;
+  }
+  return true;
+}
+
+// Raise the Python check's own error. Only reached on bad input, so its cost does not matter.
+template <typename... Args>
+[[noreturn]] void raise_python_check(const char* check, Args&&... args) {
+  {
+    py::gil_scoped_acquire gil;
+    // Throws py::error_already_set carrying the Python exception; torch's Python binding
+    // restores it, so the caller sees the TypeError / ValueError / RuntimeError of the check.
+    py::module_::import("torch_tvm_gemm.ops").attr(check)(std::forward<Args>(args)...);
+  }
+  TORCH_CHECK(false, "tvm_gemm: internal error: the C++ validation rejected an input that ops.",
+              check, " accepts; please report this");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel table: every field of GemmSpec (plus the device index), mapped to the function
+// handle Python gave us.
+
+struct KernelKey {
+  const DtypeInfo* dtype;
+  int64_t n;
+  int64_t k;  // -1: symbolic K
+  bool b_nk;  // b_layout "nk" (else "kn")
+  bool bias;
+  int activation;  // index into g_config.activations
+  bool gemv;       // variant "gemv" (else "gemm")
+  c10::DeviceType device_type;
+  c10::DeviceIndex device_index;
+
+  bool operator==(const KernelKey& o) const {
+    return dtype == o.dtype && n == o.n && k == o.k && b_nk == o.b_nk && bias == o.bias &&
+           activation == o.activation && gemv == o.gemv && device_type == o.device_type &&
+           device_index == o.device_index;
+  }
+};
+
+struct KernelKeyHash {
+  size_t operator()(const KernelKey& key) const {
+    size_t h = std::hash<const void*>()(key.dtype);
+    auto mix = [&h](uint64_t v) {  // boost-style hash_combine
+      h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    };
+    mix(static_cast<uint64_t>(key.n));
+    mix(static_cast<uint64_t>(key.k));
+    mix((key.b_nk ? 1u : 0u) | (key.bias ? 2u : 0u) | (key.gemv ? 4u : 0u) |
+        (static_cast<uint64_t>(key.activation) << 3));
+    mix((static_cast<uint64_t>(key.device_type) << 16) |
+        static_cast<uint64_t>(static_cast<uint16_t>(key.device_index)));
+    return h;
+  }
+};
+
+using KernelTable = std::unordered_map<KernelKey, tvm::ffi::Function, KernelKeyHash>;
+
+// Allocated once and never freed: its function handles point into loaded kernel libraries, and
+// releasing them from a static destructor at exit could run after tvm-ffi has shut down.
+KernelTable& table() {
+  static auto* t = new KernelTable();
+  return *t;
+}
+std::shared_mutex& table_mutex() {
+  static auto* m = new std::shared_mutex();
+  return *m;
+}
+
+// A tvm-ffi error raised in Python (a failed build, a cache that forbids compiling) becomes the
+// matching torch error, so that Python sees ValueError / TypeError / RuntimeError as usual.
+[[noreturn]] void rethrow_ffi_error(const tvm::ffi::Error& err, const char* context) {
+  const std::string kind = err.kind();
+  const std::string msg = std::string("tvm_gemm: ") + context + ": " + kind + ": " + err.message();
+  if (kind == "ValueError") TORCH_CHECK_VALUE(false, msg);
+  if (kind == "TypeError") TORCH_CHECK_TYPE(false, msg);
+  if (kind == "NotImplementedError") TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
+  TORCH_CHECK(false, msg);
+}
+
+tvm::ffi::Function lookup_kernel(const KernelKey& key) {
+  {
+    std::shared_lock<std::shared_mutex> lock(table_mutex());
+    auto it = table().find(key);
+    if (it != table().end()) return it->second;
+  }
+  // Miss: ask Python, *without* holding our lock. The callback takes the GIL; a thread that
+  // holds the GIL while waiting for our lock would otherwise deadlock with us. Two threads may
+  // both miss on one key: Python's runtime.get_kernel builds once under its own lock and hands
+  // both the same function, and emplace below keeps the first.
+  tvm::ffi::Function fn;
+  try {
+    tvm::ffi::Function get_kernel = tvm::ffi::Function::GetGlobalRequired("tvm_gemm.get_kernel");
+    fn = get_kernel(key.dtype->name, key.n, key.k, key.b_nk ? "nk" : "kn", key.bias,
+                    g_config.activations[key.activation], key.gemv ? "gemv" : "gemm", "cpu")
+             .cast<tvm::ffi::Function>();
+  } catch (const tvm::ffi::Error& err) {
+    // Raise the Python exception itself (kept by the handler), as the Python path would;
+    // only if it is gone, a torch error carrying its class name and text.
+    {
+      py::gil_scoped_acquire gil;
+      py::module_::import("torch_tvm_gemm.ops").attr("_reraise_kernel_error")();
+    }
+    rethrow_ffi_error(err, "building or loading the kernel failed");
+  }
+  std::unique_lock<std::shared_mutex> lock(table_mutex());
+  return table().emplace(key, std::move(fn)).first->second;
+}
+
+// TVM's CPU thread pool is per calling thread and sized once; follow torch.set_num_threads
+// (as runtime.sync_threads does on the Python path) with one integer compare per call.
+void sync_threads() {
+  thread_local int synced = 0;
+  const int n = at::get_num_threads();
+  if (n == synced) return;
+  // Registered by libtvm_runtime.so, which Python loaded before handing us the first kernel.
+  static auto* config = new tvm::ffi::Function(
+      tvm::ffi::Function::GetGlobalRequired("runtime.config_threadpool"));
+  try {
+    (*config)(1, n);  // mode 1: bind workers to cores, TVM's default; n threads
+  } catch (const tvm::ffi::Error& err) {
+    rethrow_ffi_error(err, "configuring TVM's thread pool failed");
+  }
+  synced = n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel call.
+
+// A DLTensor that views a contiguous tensor's memory: no allocation, no copy, no reference
+// count (it lives on the caller's stack for the duration of the call, while the tensor does).
+DLTensor dl_view(const at::Tensor& t, const DtypeInfo& dtype) {
+  DLTensor d;
+  d.data = t.data_ptr();  // already includes the storage offset, so byte_offset stays 0
+  d.device.device_type = kDLCPU;
+  d.device.device_id = 0;
+  d.ndim = static_cast<int32_t>(t.dim());
+  d.dtype = dtype.dl;
+  d.shape = const_cast<int64_t*>(t.sizes().data());
+  // NULL strides mean compact row-major. Callers pass contiguous tensors only; torch may
+  // report any stride for a size-1 dim of a contiguous tensor, which TVM's stride check would
+  // reject, so we do not hand torch's strides over.
+  d.strides = nullptr;
+  d.byte_offset = 0;
+  return d;
+}
+
+at::Tensor apply_activation(const at::Tensor& t, int act) {
+  const std::string& name = g_config.activations[act];
+  if (name == "none") return t;
+  if (name == "relu") return at::relu(t);
+  if (name == "gelu") return at::gelu(t);
+  TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
+}
+
+// act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors ops.gemm's CPU branch
+// (these impls are registered for CPU only).
+at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
+                const std::optional<at::Tensor>& bias, int act, bool static_k,
+                std::optional<at::Tensor> out = std::nullopt) {
+  const int64_t m = a.size(0);
+  const int64_t k = a.size(1);
+  const int64_t n = b_nk ? b.size(0) : b.size(1);
+  at::Tensor result = out.has_value() ? *out : at::empty({m, n}, a.options());
+  if (m == 0 || n == 0) return result;
+  if (k == 0) {  // an empty sum: the result is act(bias) or act(0)
+    at::Tensor zero = bias.has_value() ? bias->expand({m, n}) : at::zeros_like(result);
+    return result.copy_(apply_activation(zero, act));
+  }
+  const DtypeInfo& dtype = *find_dtype(a.scalar_type());
+  const KernelKey key{&dtype,
+                      n,
+                      static_k ? k : -1,
+                      b_nk,
+                      bias.has_value(),
+                      act,
+                      m <= g_config.gemv_max_m,
+                      a.device().type(),
+                      c10::DeviceIndex(0)};
+  tvm::ffi::Function kernel = lookup_kernel(key);
+  sync_threads();
+
+  // expect_contiguous borrows when the tensor already is contiguous (no refcount traffic).
+  const c10::MaybeOwned<at::Tensor> ac = a.expect_contiguous();
+  const c10::MaybeOwned<at::Tensor> bc = b.expect_contiguous();
+  DLTensor dl_a = dl_view(*ac, dtype);
+  DLTensor dl_b = dl_view(*bc, dtype);
+  DLTensor dl_out = dl_view(result, dtype);  // fresh, or a contiguous slice of a fresh tensor
+  try {
+    if (bias.has_value()) {
+      const c10::MaybeOwned<at::Tensor> biasc = bias->expect_contiguous();
+      DLTensor dl_bias = dl_view(*biasc, dtype);
+      kernel(&dl_a, &dl_b, &dl_bias, &dl_out);
+    } else {
+      kernel(&dl_a, &dl_b, &dl_out);
+    }
+  } catch (const tvm::ffi::Error& err) {
+    rethrow_ffi_error(err, "the TVM kernel failed");
+  }
+  return result;
+}
+
+// Mirrors ops._matmul_2d: a transposed contiguous b (b = w.T, as in a Linear backward) is read
+// in place as "nk".
+at::Tensor matmul_2d(const at::Tensor& a, const at::Tensor& b,
+                     std::optional<at::Tensor> out = std::nullopt) {
+  const int none = g_config.none_activation;
+  if (!b.is_contiguous() && b.t().is_contiguous()) {
+    return gemm(a, b.t(), /*b_nk=*/true, std::nullopt, none, /*static_k=*/false, std::move(out));
+  }
+  return gemm(a, b, /*b_nk=*/false, std::nullopt, none, /*static_k=*/false, std::move(out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The op impls (mirror ops._matmul_impl and ops._linear_impl).
+
+// t as 2-D (rows, last dim), like ops._rows: reshape(-1, K) would fail for K = 0.
+at::Tensor rows(const at::Tensor& t) {
+  const c10::IntArrayRef sizes = t.sizes();
+  const int64_t k = sizes.back();
+  return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), k});
+}
+
+at::Tensor matmul_impl(const at::Tensor& a, const at::Tensor& b) {
+  if (!matmul_ok(a, b)) raise_python_check("check_matmul", a, b);
+  const int64_t m = a.size(-2);
+  const int64_t n = b.size(-1);
+  if (b.dim() == 2) {
+    // A plain 2-D product skips the reshapes: each would make a view (~0.2 us) of the same shape.
+    if (a.dim() == 2) return matmul_2d(a, b);
+    // (B, M, K) @ (K, N): one GEMM over all rows
+    return matmul_2d(rows(a), b).reshape({a.size(0), m, n});
+  }
+  const int64_t ba = a.dim() == 3 ? a.size(0) : 1;
+  const int64_t batch = ba == 1 ? b.size(0) : ba;
+  const at::Tensor a3 = a.expand({batch, m, a.size(-1)});
+  const at::Tensor b3 = b.expand({batch, b.size(-2), n});
+  at::Tensor out = at::empty({batch, m, n}, a.options());
+  for (int64_t i = 0; i < batch; ++i) {  // one kernel call per batch entry: each a full GEMM
+    matmul_2d(a3.select(0, i), b3.select(0, i), out.select(0, i));
+  }
+  return out;
+}
+
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, c10::string_view activation) {
+  const int act = find_activation(activation);
+  if (!linear_ok(x, weight, bias, act)) {
+    raise_python_check("check_linear", x, weight, bias, std::string(activation));
+  }
+  if (x.dim() == 2) return gemm(x, weight, /*b_nk=*/true, bias, act, /*static_k=*/true);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(weight.size(0));
+  const at::Tensor x2 = rows(x);
+  return gemm(x2, weight, /*b_nk=*/true, bias, act, /*static_k=*/true).reshape(shape);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The autograd fast path.
+//
+// ops.py registers the autograd formulas with torch.library.register_autograd: a *Python*
+// kernel on the Autograd key that every call passes through, grad or not (~5 us, more than the
+// rest of the call). We put a C++ kernel in front of it on AutogradCPU: when no
+// gradient is needed it does what that Python kernel's no-grad branch does (redispatch below
+// autograd); otherwise it hands the call to the Python kernel, captured before we registered
+// (torch.library.get_kernel's use case), so the formulas stay in Python.
+
+class AutogradFastPath final : public c10::OperatorKernel {
+ public:
+  explicit AutogradFastPath(c10::SafeKernelFunction python_autograd)
+      : python_autograd_(std::move(python_autograd)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                  torch::jit::Stack* stack) {
+    if (c10::GradMode::is_enabled() && any_requires_grad(op, *stack)) {
+      python_autograd_.callBoxed(op, keys, stack);
+      return;
+    }
+    at::AutoDispatchBelowAutograd guard;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+
+ private:
+  static bool any_requires_grad(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+    const size_t num_args = op.schema().arguments().size();
+    for (const c10::IValue& arg : torch::jit::last(stack, num_args)) {
+      if (arg.isTensor() && arg.toTensor().defined() && arg.toTensor().requires_grad()) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  c10::SafeKernelFunction python_autograd_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Registration, driven from Python (ops.use_impl).
+
+// Leaked on purpose, like the table: deregistering from a static destructor at exit could run
+// after the dispatcher itself is gone.
+std::unique_ptr<torch::Library>& registrations() {
+  static auto* lib = new std::unique_ptr<torch::Library>();
+  return *lib;
+}
+std::vector<std::unique_ptr<torch::Library>>& autograd_registrations() {
+  static auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
+  return *libs;
+}
+
+constexpr std::array<const char*, 2> kOps{"matmul", "linear"};
+
+// The C++ autograd kernel for one backend's autograd key, in front of the Python one.
+void register_autograd_fast_path(c10::DispatchKey autograd_key) {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "tvm_gemm", autograd_key,
+                                              __FILE__, __LINE__);
+  for (const char* name : kOps) {
+    const std::string qualified = std::string("tvm_gemm::") + name;
+    const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+    c10::SafeKernelFunction python_autograd = op.getComputedKernelForDispatchKey(autograd_key);
+    lib->impl(name, torch::CppFunction::makeFromBoxedFunctor(
+                        std::make_unique<AutogradFastPath>(std::move(python_autograd))));
+  }
+  autograd_registrations().push_back(std::move(lib));
+}
+
+// The dispatch keys this library registers; ops.py registers the Python impls for the others.
+// CUDA stays on the Python path: ops.gemm's CUDA branch (static K, 16-byte aligned operands,
+// an sm_70 check, the caller's current device and stream) has no C++ twin yet, and no GPU here
+// to test one on.
+std::vector<std::string> dispatch_keys() { return {"CPU"}; }
+
+void register_impls(int64_t gemv_max_m, const std::vector<std::string>& activations,
+                    const std::vector<std::string>& dtypes, bool autograd_fast_path) {
+  TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
+  Config config;
+  config.gemv_max_m = gemv_max_m;
+  config.activations = activations;
+  TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
+              "tvm_gemm: the activations must include 'none'");
+  for (const std::string& name : dtypes) {
+    const DtypeInfo* found = nullptr;
+    for (const DtypeInfo& d : kKnownDtypes) {
+      if (name == d.name) found = &d;
+    }
+    TORCH_CHECK(found != nullptr, "tvm_gemm: the C++ extension does not know dtype '", name,
+                "' (rebuild it after adding a dtype to ops.SUPPORTED_DTYPES)");
+    config.dtypes.push_back(found);
+  }
+  g_config = std::move(config);
+  g_config.none_activation = find_activation("none");
+
+  registrations() = std::make_unique<torch::Library>(torch::Library::IMPL, "tvm_gemm",
+                                                     c10::DispatchKey::CPU, __FILE__, __LINE__);
+  registrations()->impl("matmul", TORCH_FN(matmul_impl));
+  registrations()->impl("linear", TORCH_FN(linear_impl));
+  if (autograd_fast_path) {
+    register_autograd_fast_path(c10::DispatchKey::AutogradCPU);
+  }
+}
+
+void unregister_impls() {
+  autograd_registrations().clear();  // destroying a torch::Library removes its registrations
+  registrations().reset();
+}
+
+void clear_table() {
+  std::unique_lock<std::shared_mutex> lock(table_mutex());
+  table().clear();
+}
+
+int64_t table_size() {
+  std::shared_lock<std::shared_mutex> lock(table_mutex());
+  return static_cast<int64_t>(table().size());
+}
+
+}  // namespace
+}  // namespace tvm_gemm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
+  m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
+        py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
+        "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
+        "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
+        "the Python side.");
+  m.def("unregister_impls", &tvm_gemm::unregister_impls, "Remove the C++ registrations.");
+  m.def("dispatch_keys", &tvm_gemm::dispatch_keys, "Dispatch keys the C++ impls cover.");
+  m.def("clear_table", &tvm_gemm::clear_table, "Forget every cached kernel handle.");
+  m.def("table_size", &tvm_gemm::table_size, "Number of cached kernel handles.");
+}

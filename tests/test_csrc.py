@@ -1,0 +1,385 @@
+"""The C++ impls (csrc/) against the Python ones: same results, same errors, threads, leaks.
+
+Every behavioural test runs on both paths (the ``impl`` fixture switches with
+``ops.use_impl``); the C++ ones are skipped when the extension is not built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+
+from torch_tvm_gemm import _ext, ops, runtime
+
+EXT = _ext.load()
+needs_ext = pytest.mark.skipif(EXT is None, reason=f"C++ extension not built ({_ext.load_error})")
+PATHS = [pytest.param("cpp", marks=needs_ext), "python"]
+
+mm = torch.ops.tvm_gemm.matmul
+lin = torch.ops.tvm_gemm.linear
+
+
+@pytest.fixture(params=PATHS)
+def impl(request):
+    previous = ops.use_impl(request.param)
+    yield request.param
+    ops.use_impl(previous)
+
+
+def _run_on(path: str, fn):
+    previous = ops.use_impl(path)
+    try:
+        return fn()
+    finally:
+        ops.use_impl(previous)
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [
+        ((7, 33), (33, 5)),  # gemv variant (M <= 16)
+        ((127, 33), (33, 17)),  # gemm variant
+        ((3, 7, 33), (33, 5)),  # 3-D a, shared b: one GEMM over all rows
+        ((3, 7, 33), (3, 33, 5)),  # batched
+        ((1, 7, 33), (3, 33, 5)),  # a's batch broadcast
+        ((7, 33), (3, 33, 5)),  # 2-D a against a batch
+        ((3, 7, 33), (1, 33, 5)),  # b's batch broadcast
+        ((0, 33), (33, 5)),  # M = 0
+        ((7, 33), (33, 0)),  # N = 0
+        ((7, 0), (0, 5)),  # K = 0: zeros
+        ((0, 7, 33), (0, 33, 5)),  # empty batch
+        ((2, 7, 0), (0, 5)),  # K = 0 with a 3-D a
+        ((2, 7, 0), (2, 0, 5)),  # K = 0, batched
+    ],
+)
+def test_matmul_shapes(impl, a_shape, b_shape):
+    a, b = randn(*a_shape), randn(*b_shape)
+    out = mm(a, b)
+    assert out.shape == torch.matmul(a, b).shape
+    assert_close(out, torch.matmul(a, b), k=a_shape[-1])
+
+
+def test_matmul_layouts(impl):
+    a, w = randn(20, 40), randn(24, 40)
+    assert_close(mm(a, w.t()), a @ w.t(), k=40)  # transposed contiguous b: read as "nk"
+    a_nc = randn(40, 20).t()  # non-contiguous a
+    b_nc = randn(24, 80)[:, ::2].t()  # neither contiguous nor transposed-contiguous
+    assert_close(mm(a_nc, b_nc), a_nc @ b_nc, k=40)
+    a_off, b9 = a[2:, 3:], randn(37, 9)  # a storage offset
+    assert_close(mm(a_off, b9), a_off @ b9, k=37)
+    out3 = mm(randn(4, 5, 40)[:, 1:], randn(4, 40, 6))  # non-contiguous batch entries
+    assert out3.shape == (4, 4, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_matmul_dtypes(impl, dtype):
+    a, b = randn(9, 33, dtype=dtype), randn(33, 7, dtype=dtype)
+    out = mm(a, b)
+    assert out.dtype == dtype
+    assert_close(out, a.double() @ b.double(), k=33)
+
+
+@pytest.mark.parametrize("x_shape", [(33,), (5, 33), (2, 3, 33), (0, 33)])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+def test_linear(impl, x_shape, activation):
+    x, w, b = randn(*x_shape), randn(17, 33), randn(17)
+    act = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}[activation]
+    assert_close(lin(x, w, b, activation), act(F.linear(x, w, b)), k=33)
+
+
+def test_linear_no_bias_and_empty_k(impl):
+    x, w = randn(5, 33), randn(17, 33)
+    assert_close(lin(x, w), F.linear(x, w), k=33)
+    x0, w0, b0 = randn(5, 0), randn(17, 0), randn(17)
+    assert_close(lin(x0, w0, b0, "relu"), F.relu(F.linear(x0, w0, b0)))
+    assert_close(lin(x0, w0), torch.zeros(5, 17))
+    x3 = randn(2, 3, 0)
+    assert_close(lin(x3, w0, b0, "gelu"), F.gelu(F.linear(x3, w0, b0)))
+
+
+def test_both_paths_agree_bitwise():
+    """Same kernels, same arguments: the two paths must give identical bits."""
+    if EXT is None:
+        pytest.skip("C++ extension not built")
+    a, b = randn(33, 65), randn(65, 19)
+    x, w, bias = randn(3, 65), randn(19, 65), randn(19)
+    got = {
+        path: _run_on(path, lambda: (mm(a, b), lin(x, w, bias, "gelu")))
+        for path in ("cpp", "python")
+    }
+    for c, p in zip(got["cpp"], got["python"], strict=True):
+        assert torch.equal(c, p)
+
+
+def test_autograd(impl):
+    a, b = randn(6, 9).requires_grad_(), randn(9, 4).requires_grad_()
+    x, w, bias = (
+        randn(3, 9).requires_grad_(),
+        randn(5, 9).requires_grad_(),
+        randn(5).requires_grad_(),
+    )
+    (mm(a, b).sum() + lin(x, w, bias, "relu").square().sum()).backward()
+    a2, b2, x2, w2, bias2 = (t.detach().clone().requires_grad_() for t in (a, b, x, w, bias))
+    ((a2 @ b2).sum() + F.relu(F.linear(x2, w2, bias2)).square().sum()).backward()
+    for t, ref in [(a, a2), (b, b2), (x, x2), (w, w2), (bias, bias2)]:
+        assert_close(t.grad, ref.grad, k=9)
+    with torch.no_grad():  # the no-grad fast path: no graph
+        assert mm(a, b).grad_fn is None
+
+
+@pytest.mark.parametrize("op", ["matmul", "linear"])
+def test_opcheck(impl, op):
+    if op == "matmul":
+        args = (randn(5, 7).requires_grad_(), randn(7, 3).requires_grad_())
+    else:
+        args = (randn(2, 7).requires_grad_(), randn(3, 7).requires_grad_(), randn(3), "gelu")
+    torch.library.opcheck(getattr(torch.ops.tvm_gemm, op).default, args)
+
+
+# --- errors: the same on both paths ----------------------------------------------------------
+
+f32 = torch.float32
+BAD_CALLS = {
+    "int dtype": lambda: mm(
+        torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64)
+    ),
+    "complex b": lambda: mm(randn(2, 2), torch.ones(2, 2, dtype=torch.complex64)),
+    "1-D a": lambda: mm(randn(3), randn(3, 2)),
+    "4-D b": lambda: mm(randn(2, 3), randn(1, 1, 3, 2)),
+    "mixed dtypes": lambda: mm(randn(2, 3), randn(3, 2, dtype=torch.float64)),
+    "inner dims": lambda: mm(randn(2, 3), randn(4, 2)),
+    "batch dims": lambda: mm(randn(2, 2, 3), randn(3, 3, 2)),
+    "activation": lambda: lin(randn(2, 3), randn(4, 3), None, "tanh"),
+    "activation quote": lambda: lin(randn(2, 3), randn(4, 3), None, "it's\n"),
+    "0-D x": lambda: lin(torch.tensor(1.0), randn(4, 3)),
+    "9-D x": lambda: lin(randn(*[1] * 8, 3), randn(4, 3)),
+    "1-D weight": lambda: lin(randn(2, 3), randn(3)),
+    "features": lambda: lin(randn(2, 3), randn(4, 5)),
+    "bias rank": lambda: lin(randn(2, 3), randn(4, 3), randn(1, 4)),
+    "bias size": lambda: lin(randn(2, 3), randn(4, 3), randn(5)),
+    "bias dtype": lambda: lin(randn(2, 3), randn(4, 3), randn(4, dtype=torch.float64)),
+    "weight dtype": lambda: lin(randn(2, 3, dtype=torch.float16), randn(4, 3)),
+}
+
+
+def _outcome(path: str, call):
+    """("ok", result) or ("error", type, message) of ``call`` on one path."""
+
+    def run():
+        try:
+            return ("ok", call())
+        except Exception as err:  # noqa: BLE001 (compared between the paths)
+            return ("error", type(err), str(err))
+
+    return _run_on(path, run)
+
+
+@needs_ext
+def test_random_calls_agree():
+    """Random ranks, sizes (incl. 0), dtypes and epilogues: both paths succeed with the same
+    bits or fail with the same error. Sizes are drawn from a few values so that only a handful
+    of kernels get built."""
+    g = torch.Generator().manual_seed(1234)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    def tensor(rank: int, last: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        dims = [pick([0, 1, 3]) for _ in range(rank - len(last))] + list(
+            last[-rank:] if rank else []
+        )
+        if pick(range(10)) == 0:  # now and then one tensor of another dtype
+            dtype = pick([torch.float64, torch.int64, torch.complex64])
+        if dtype == torch.int64:
+            return torch.ones(dims, dtype=dtype)
+        return torch.randn(dims, generator=g).to(dtype)
+
+    for i in range(300):
+        k, n = pick([3] * 7 + [2]), pick([3, 3, 3, 0])
+        dtype = pick([torch.float32] * 8 + [torch.float64, torch.int64])
+        if i % 2 == 0:
+            a = tensor(pick([1, 2, 2, 2, 3, 3, 4]), (pick([1, 3]), k), dtype)
+            b = tensor(pick([1, 2, 2, 2, 3, 3]), (3, n), dtype)
+            call = lambda a=a, b=b: mm(a, b)  # noqa: E731
+        else:
+            x = tensor(pick([0, 1, 2, 2, 2, 3]), (k,), dtype)
+            w = tensor(pick([2, 2, 2, 1]), (n, 3), dtype)
+            bias = pick(
+                [None, tensor(1, (n,), dtype), tensor(1, (n,), dtype), tensor(1, (2,), dtype)]
+            )
+            act = pick(["none", "relu", "gelu"] * 3 + ["sigmoid"])
+            call = lambda x=x, w=w, bias=bias, act=act: lin(x, w, bias, act)  # noqa: E731
+        cpp, py = _outcome("cpp", call), _outcome("python", call)
+        assert cpp[0] == py[0], (i, cpp, py)
+        if cpp[0] == "ok":
+            assert torch.equal(cpp[1], py[1]), i
+        else:
+            assert cpp[1:] == py[1:], i
+
+
+def _error_of(path: str, call) -> tuple[type, str]:
+    def run():
+        with pytest.raises(Exception) as info:
+            call()
+        return info.type, str(info.value)
+
+    return _run_on(path, run)
+
+
+@needs_ext
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_same_errors(name):
+    py_err = _error_of("python", BAD_CALLS[name])
+    cpp_err = _error_of("cpp", BAD_CALLS[name])
+    assert cpp_err == py_err
+    assert py_err[1].startswith("tvm_gemm."), py_err
+
+
+def test_kernel_build_error_surfaces(impl, monkeypatch):
+    """A failure inside the Python miss handler reaches the caller unchanged."""
+    from torch_tvm_gemm.cache import KernelNotCachedError
+
+    monkeypatch.setenv("TVM_GEMM_NO_COMPILE", "1")
+    a, b = randn(3, 5), randn(5, 1013)  # N = 1013: a kernel no other test builds
+    with pytest.raises(KernelNotCachedError, match="TVM_GEMM_NO_COMPILE"):
+        mm(a, b)
+
+
+# --- safety: threads, leaks, switches ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("fresh_table", [False, True])
+def test_threads(impl, fresh_table):
+    """Several threads at once, on a warm table or all missing together."""
+    shapes = [(3, 33, 5), (40, 33, 5), (8, 17, 12), (21, 17, 12)]
+    inputs = [(randn(m, k), randn(k, n)) for m, k, n in shapes]
+    for a, b in inputs:  # build the kernels first: the race is on the table, not the compiler
+        mm(a, b)
+    if fresh_table:
+        runtime.clear_table()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait()
+            for j in range(50):
+                a, b = inputs[(i + j) % len(inputs)]
+                torch.testing.assert_close(mm(a, b), a @ b, rtol=1.3e-5, atol=1e-4)
+        except BaseException as err:  # noqa: BLE001 (reported by the main thread)
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+@needs_ext
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_no_leak_cpp():
+    """100k calls on the C++ path (and 2k rejected ones): RSS must not grow with the count."""
+    previous = ops.use_impl("cpp")
+    try:
+        a, b = randn(16, 16), randn(16, 16)
+        x, w, bias = randn(1, 64), randn(64, 64), randn(64)
+        bad = randn(3, 5)
+
+        def calls(n: int) -> None:
+            for _ in range(n):
+                mm(a, b)
+                lin(x, w, bias)
+            for _ in range(n // 50):
+                with pytest.raises(ValueError):
+                    mm(a, bad)
+
+        calls(5_000)  # warm-up: allocator caches, kernel table
+        before = _rss_kb()
+        calls(50_000)
+        after = _rss_kb()
+    finally:
+        ops.use_impl(previous)
+    # 100k successful calls of 1 KiB outputs: a per-call leak would show as >= 100 MB.
+    assert after - before < 8 * 1024, f"RSS grew by {after - before} KiB"
+
+
+def test_clear_table_clears_cpp_table():
+    if EXT is None:
+        pytest.skip("C++ extension not built")
+    _run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))
+    assert EXT.table_size() > 0
+    runtime.clear_table()
+    assert EXT.table_size() == 0
+    out = _run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))  # reloads through Python
+    assert out.shape == (4, 3)
+
+
+def test_thread_count_follows_torch(impl):
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a, b = randn(64, 48), randn(48, 32)
+        assert_close(mm(a, b), a @ b, k=48)
+    finally:
+        torch.set_num_threads(n)
+    assert_close(mm(a, b), a @ b, k=48)
+
+
+def test_use_impl_rejects_unknown_path():
+    with pytest.raises(ValueError, match="impl path"):
+        ops.use_impl("fortran")
+
+
+# --- import-time choice, in fresh processes ----------------------------------------------------
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != _ext.ENV_PYTHON_IMPL}
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_env_var_selects_python_impls():
+    code = "import torch_tvm_gemm.ops as o; print(o.impl_path())"
+    proc = _python(code, TVM_GEMM_PYTHON_IMPL="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "python"
+    assert "not available" not in proc.stderr
+    if EXT is not None:
+        proc = _python(code)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "cpp"
+
+
+def test_missing_extension_warns_once_and_works():
+    code = (
+        "import sys; sys.modules['torch_tvm_gemm._C'] = None\n"  # makes the import fail
+        "import torch, torch_tvm_gemm as tg, torch_tvm_gemm.ops as o\n"
+        "a, b = torch.randn(4, 8), torch.randn(8, 3)\n"
+        "assert torch.allclose(tg.matmul(a, b), a @ b, atol=1e-5)\n"
+        "print(o.impl_path())\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "python"
+    lines = [line for line in proc.stderr.splitlines() if "C++ extension not available" in line]
+    assert len(lines) == 1, proc.stderr
