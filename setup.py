@@ -91,7 +91,9 @@ setup(
     extras_require={
         # cuobjdump / nvdisasm read the SASS of the cross-compiled CUDA kernels in the tests.
         "test": ["pytest", "hypothesis", "ruff", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],
-        "tune": ["psutil", "xgboost", "cloudpickle", "tornado"],
+        # MetaSchedule (tune, ladder): its cost model needs xgboost; the CPU build avoids
+        # the 470 MB NCCL library that the plain xgboost wheel pulls in.
+        "tune": ["psutil", "xgboost-cpu", "cloudpickle", "tornado"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torch-tvm-gemm=torch_tvm_gemm.__main__:main"]},
