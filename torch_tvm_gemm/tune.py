@@ -551,7 +551,13 @@ def _quiet_console() -> None:
     Its console handler takes the level its logger has when ``tune_tir`` configures logging,
     and that configuration resets the logger to DEBUG: so this is needed before every round.
     """
-    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    logger.setLevel(logging.WARNING)
+    # tune_tir rebuilds the logging config naming every handler of this logger; a handler
+    # someone else attached without a name (pytest >= 9.2 does) makes it crash on None.
+    for h in list(logger.handlers):
+        if h.get_name() is None:
+            logger.removeHandler(h)
 
 
 def _progress_bar(total: int, done: int, spec: GemmSpec, enabled: bool):
