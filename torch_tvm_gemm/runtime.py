@@ -58,6 +58,13 @@ def ensure_runtime(device: str = "cpu") -> None:
             # on x86 (it assumes hyper-threading): 1 thread on a 2-core VM. Size it to the
             # cores we may run on; sync_threads() then uses as many as torch does.
             os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+            # TVM's pool shares the cores with torch's OpenMP pool, and the two alternate in a
+            # model (TVM conv, torch max_pool, ...). Pinned TVM workers that spin after each
+            # job starve torch's threads: a small CNN with fused convs ran 4x *slower* than
+            # unfused until its workers were left unpinned and spun only briefly (measured:
+            # 12.9 ms -> 2.3-2.6 ms, against 3.2 ms for the unfused model).
+            os.environ.setdefault("TVM_BIND_THREADS", "0")
+            os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "10000")
             ctypes.CDLL(str(tvm_lib_dir() / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
             _runtime_loaded = True
         if device == "cuda" and not _cuda_runtime_loaded:
@@ -100,8 +107,8 @@ def sync_threads() -> None:
     n = torch.get_num_threads()
     if n != _threads:
         ensure_runtime()
-        # TVM pins the *calling* thread to a core when it binds its pool (mode 1: bind to
-        # cores as TVM does by default). Put the caller's affinity back: else every thread
+        # With TVM_BIND_THREADS=1 (a user's choice), TVM pins the *calling* thread to a core
+        # when it configures its pool. Put the caller's affinity back: else every thread
         # that torch starts later (its OpenMP pool) inherits one core, and a 2-thread
         # torch.matmul then runs both threads there (seen: 256^3 at 2 GFLOPS instead of 200).
         saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

@@ -86,7 +86,7 @@ def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict
     tvm_fn()  # build or load the kernel
     first_call = time.perf_counter() - start
     flops = 2.0 * m * n * k
-    reps = repeats or max(3, min(200, int(2e9 / flops)))
+    reps = repeats or max(10, min(200, int(2e10 / flops)))
     t_tvm, t_torch = _pair(tvm_fn, torch_fn, reps)
     return {
         "op": op,
