@@ -227,21 +227,18 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
   return table().emplace(key, std::move(fn)).first->second;
 }
 
-// TVM's CPU thread pool is per calling thread and sized once; follow torch.set_num_threads
-// (as runtime.sync_threads does on the Python path) with one integer compare per call.
+// TVM's CPU thread pool is per calling thread; follow torch.set_num_threads. The pool itself
+// is asked how many threads it has (one FFI call, ~0.1 us), so this path and the Python one
+// never trust a stale record of what the other set. On a mismatch (rare: after
+// torch.set_num_threads), Python's runtime.sync_threads reconfigures it, CPU affinity
+// handling included: one implementation.
 void sync_threads() {
-  thread_local int synced = 0;
-  const int n = at::get_num_threads();
-  if (n == synced) return;
   // Registered by libtvm_runtime.so, which Python loaded before handing us the first kernel.
-  static auto* config = new tvm::ffi::Function(
-      tvm::ffi::Function::GetGlobalRequired("runtime.config_threadpool"));
-  try {
-    (*config)(1, n);  // mode 1: bind workers to cores, TVM's default; n threads
-  } catch (const tvm::ffi::Error& err) {
-    rethrow_ffi_error(err, "configuring TVM's thread pool failed");
-  }
-  synced = n;
+  static auto* num_threads =
+      new tvm::ffi::Function(tvm::ffi::Function::GetGlobalRequired("runtime.NumThreads"));
+  if ((*num_threads)().cast<int>() == at::get_num_threads()) return;
+  py::gil_scoped_acquire gil;
+  py::module_::import("torch_tvm_gemm.runtime").attr("sync_threads")();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -135,5 +135,12 @@ def test_threads_follow_torch():
             torch.set_num_threads(n)
             torch.testing.assert_close(torch.ops.tvm_gemm.matmul(a, a), a @ a)
             assert tvm_threads() == n
+        # The pool set from Python, then a call on whichever impl path is active: each path
+        # must see the pool as it is (a stale per-path record once left it at 1 thread).
+        torch.set_num_threads(1)
+        runtime.sync_threads()
+        torch.set_num_threads(before)
+        torch.ops.tvm_gemm.matmul(a, a)
+        assert tvm_threads() == before
     finally:
         torch.set_num_threads(before)

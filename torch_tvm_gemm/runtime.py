@@ -10,6 +10,7 @@ library alone (``RTLD_GLOBAL``, so that kernels resolve against it) and load ker
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import threading
@@ -28,7 +29,6 @@ _alive: list[Any] = []  # modules / executables whose functions we hand out
 _clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 _runtime_loaded = False
 _cuda_runtime_loaded = False
-_threads = 0
 
 
 def tvm_lib_dir() -> Path:
@@ -101,21 +101,27 @@ def sync_threads() -> None:
     """Give TVM's thread pool as many threads as PyTorch uses (torch.set_num_threads).
 
     Both pools would otherwise start one thread per core each; following torch's setting
-    means one knob, and neither oversubscribes the other since they never run at once.
+    means one knob. TVM keeps one pool per calling thread, and the C++ path configures it
+    too, so the pool itself is asked (``runtime.NumThreads``, ~0.1 us) rather than a cache
+    of what was last set, which went stale (seen: a tuning verdict timed on 1 thread).
     """
-    global _threads
     n = torch.get_num_threads()
-    if n != _threads:
-        ensure_runtime()
-        # With TVM_BIND_THREADS=1 (a user's choice), TVM pins the *calling* thread to a core
-        # when it configures its pool. Put the caller's affinity back: else every thread
-        # that torch starts later (its OpenMP pool) inherits one core, and a 2-thread
-        # torch.matmul then runs both threads there (seen: 256^3 at 2 GFLOPS instead of 200).
-        saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        tvm_ffi.get_global_func("runtime.config_threadpool")(1, n)
-        if saved is not None:
-            os.sched_setaffinity(0, saved)
-        _threads = n
+    ensure_runtime()
+    if _tvm_func("runtime.NumThreads")() == n:
+        return
+    # With TVM_BIND_THREADS=1 (a user's choice), TVM pins the *calling* thread to a core
+    # when it configures its pool. Put the caller's affinity back: else every thread that
+    # torch starts later (its OpenMP pool) inherits one core, and a 2-thread torch.matmul
+    # then runs both threads there (seen: 256^3 at 2 GFLOPS instead of 200).
+    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    _tvm_func("runtime.config_threadpool")(1, n)  # mode 1: TVM's default ("big" cores)
+    if saved is not None:
+        os.sched_setaffinity(0, saved)
+
+
+@functools.cache
+def _tvm_func(name: str) -> Any:
+    return tvm_ffi.get_global_func(name)
 
 
 def keep_alive(obj: Any) -> None:

@@ -753,6 +753,9 @@ def time_interleaved(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: i
     that a change of machine load (2 shared cores) hits all alike; the best round of each."""
     import torch
 
+    from .runtime import sync_threads
+
+    sync_threads()  # the kernels are called directly here: size TVM's pool as torch's
     args = make_inputs(spec, m, k, seed=0)
     out = torch.empty(m, spec.n, dtype=args[0].dtype)
     best = [float("inf")] * len(fns)
