@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 2  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 3  # bump when a schedule changes the binary: it is part of the cache key
 GEMV_MAX_M = 16  # ops.py picks the "gemv" variant for M at or below this
 
 
@@ -94,8 +94,22 @@ def _schedule_gemv_kn(sch, spec: GemmSpec, nr: int, vec: int) -> None:
     sch.set_scope(acc, 0, "local")
     sch.unroll(jio)
     sch.vectorize(jii)
-    sch.parallel(jo)
+    if _gemv_parallel(spec, -(-spec.n // nr)):
+        sch.parallel(jo)
     sch.decompose_reduction(acc, k)
+
+
+# Below this many B elements a small-M product takes about a microsecond on one core, and
+# waking TVM's other workers costs as much: run it on the calling thread (measured:
+# linear M=1, N=K=256 through the C++ path, 4.3-4.5 us -> 3.9 us per call).
+GEMV_PARALLEL_MIN_ELEMENTS = 1 << 17
+
+
+def _gemv_parallel(spec: GemmSpec, tasks: int) -> bool:
+    """Whether a gemv's outer loop (``tasks`` iterations) is worth TVM's parallel launch."""
+    if tasks <= 1:
+        return False
+    return spec.k is None or spec.n * spec.k >= GEMV_PARALLEL_MIN_ELEMENTS
 
 
 def _schedule_gemv_nk(sch, spec: GemmSpec, vec: int) -> None:
@@ -115,5 +129,6 @@ def _schedule_gemv_nk(sch, spec: GemmSpec, vec: int) -> None:
     sch.set_scope(rf, 0, "local")
     sch.unroll(ji)
     sch.vectorize(ki)
-    sch.parallel(jo)
+    if _gemv_parallel(spec, -(-spec.n // rows)):
+        sch.parallel(jo)
     sch.decompose_reduction(rf, ko)
