@@ -47,7 +47,7 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Configuration handed over by ops.py at registration, so that the constants have one home
-// (schedules/cpu.py GEMV_MAX_M, kernels/gemm.py ACTIVATIONS, ops.py SUPPORTED_DTYPES).
+// (schedules/cpu.py GEMV_MAX_M and GEMV_MIN_B_ELEMENTS, kernels/gemm.py ACTIVATIONS, ops.py SUPPORTED_DTYPES).
 
 struct DtypeInfo {
   at::ScalarType scalar;
@@ -66,6 +66,7 @@ constexpr std::array<DtypeInfo, 4> kKnownDtypes{{
 
 struct Config {
   int64_t gemv_max_m = 0;
+  int64_t gemv_min_b_elements = 0;
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
@@ -246,6 +247,19 @@ void sync_threads() {
 
 // A DLTensor that views a contiguous tensor's memory: no allocation, no copy, no reference
 // count (it lives on the caller's stack for the duration of the call, while the tensor does).
+// TVM's CPU kernels assume each buffer starts on a 64-byte boundary (seen: a batch slice of B
+// at a 660-byte offset crashed the packed kernel); ops._aligned applies the same rule.
+constexpr uintptr_t kKernelAlignment = 64;
+
+bool is_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % kKernelAlignment == 0;
+}
+
+// t, or an aligned contiguous copy of it (at::empty allocates on the boundary).
+at::Tensor aligned(const at::Tensor& t) {
+  return is_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 DLTensor dl_view(const at::Tensor& t, const DtypeInfo& dtype) {
   DLTensor d;
   d.data = t.data_ptr();  // already includes the storage offset, so byte_offset stays 0
@@ -291,22 +305,27 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                       b_nk,
                       bias.has_value(),
                       act,
-                      m <= g_config.gemv_max_m,
+                      // schedules/cpu.py gemm_variant(), with its two constants
+                      m <= g_config.gemv_max_m && n * k >= g_config.gemv_min_b_elements,
                       a.device().type(),
                       c10::DeviceIndex(0)};
   tvm::ffi::Function kernel = lookup_kernel(key);
   sync_threads();
 
-  // expect_contiguous borrows when the tensor already is contiguous (no refcount traffic).
-  const c10::MaybeOwned<at::Tensor> ac = a.expect_contiguous();
-  const c10::MaybeOwned<at::Tensor> bc = b.expect_contiguous();
-  DLTensor dl_a = dl_view(*ac, dtype);
-  DLTensor dl_b = dl_view(*bc, dtype);
-  DLTensor dl_out = dl_view(result, dtype);  // fresh, or a contiguous slice of a fresh tensor
+  // Contiguous (expect_contiguous borrows when it already is: no refcount traffic) and, like
+  // ops._aligned, starting on TVM's 64-byte boundary, else an aligned copy.
+  const at::Tensor ac = aligned(*a.expect_contiguous());
+  const at::Tensor bc = aligned(*b.expect_contiguous());
+  // The output: fresh, or a slice of a fresh batch that may start off the boundary.
+  const bool out_aligned = is_aligned(result);
+  at::Tensor dest = out_aligned ? result : at::empty_like(result);
+  DLTensor dl_a = dl_view(ac, dtype);
+  DLTensor dl_b = dl_view(bc, dtype);
+  DLTensor dl_out = dl_view(dest, dtype);
   try {
     if (bias.has_value()) {
-      const c10::MaybeOwned<at::Tensor> biasc = bias->expect_contiguous();
-      DLTensor dl_bias = dl_view(*biasc, dtype);
+      const at::Tensor biasc = aligned(*bias->expect_contiguous());
+      DLTensor dl_bias = dl_view(biasc, dtype);
       kernel(&dl_a, &dl_b, &dl_bias, &dl_out);
     } else {
       kernel(&dl_a, &dl_b, &dl_out);
@@ -314,6 +333,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   } catch (const tvm::ffi::Error& err) {
     rethrow_ffi_error(err, "the TVM kernel failed");
   }
+  if (!out_aligned) result.copy_(dest);
   return result;
 }
 
@@ -448,11 +468,13 @@ void register_autograd_fast_path(c10::DispatchKey autograd_key) {
 // to test one on.
 std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 
-void register_impls(int64_t gemv_max_m, const std::vector<std::string>& activations,
+void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements,
+                    const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, bool autograd_fast_path) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   Config config;
   config.gemv_max_m = gemv_max_m;
+  config.gemv_min_b_elements = gemv_min_b_elements;
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -498,7 +520,7 @@ int64_t table_size() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
-        py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
+        py::arg("gemv_min_b_elements"), py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

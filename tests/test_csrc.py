@@ -47,7 +47,8 @@ def _run_on(path: str, fn):
 @pytest.mark.parametrize(
     "a_shape,b_shape",
     [
-        ((7, 33), (33, 5)),  # gemv variant (M <= 16)
+        ((7, 130), (130, 40)),  # gemv variant (M <= 16, B of >= 4096 elements)
+        ((7, 33), (33, 5)),  # small B: the packed variant even at M <= 16
         ((127, 33), (33, 17)),  # gemm variant
         ((3, 7, 33), (33, 5)),  # 3-D a, shared b: one GEMM over all rows
         ((3, 7, 33), (3, 33, 5)),  # batched

@@ -8,7 +8,16 @@ from conftest import DTYPES, assert_close, randn
 
 import torch_tvm_gemm as tg
 
-SHAPES_2D = [(1, 1, 1), (7, 33, 1), (33, 127, 257), (127, 7, 64), (257, 64, 33), (16, 16, 16)]
+# (M, K, N); (5, 70, 65) takes the gemv variant (M <= 16 and a B of >= 4096 elements).
+SHAPES_2D = [
+    (1, 1, 1),
+    (7, 33, 1),
+    (5, 70, 65),
+    (33, 127, 257),
+    (127, 7, 64),
+    (257, 64, 33),
+    (16, 16, 16),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -22,10 +31,11 @@ def test_matmul_2d(m, k, n, dtype):
 
 @pytest.mark.parametrize("m", [1, 2, 16, 17, 100])
 def test_one_kernel_serves_every_m(m):
-    # M crosses the gemv/gemm threshold; each variant is compiled once and reused.
-    b = randn(40, 24)
-    a = randn(m, 40)
-    assert_close(tg.matmul(a, b), a @ b, 40)
+    # M crosses the gemv/gemm threshold (B is big enough for gemv); each variant is
+    # compiled once and reused.
+    b = randn(130, 40)
+    a = randn(m, 130)
+    assert_close(tg.matmul(a, b), a @ b, 130)
 
 
 @pytest.mark.parametrize(
@@ -92,3 +102,16 @@ def test_matmul_bad_input(a, b, exc, words):
     assert "tvm_gemm.matmul" in msg
     for w in words:
         assert w in msg, msg
+
+
+@pytest.mark.parametrize("m,k,n", [(7, 33, 5), (20, 33, 5), (7, 130, 40), (20, 130, 40)])
+def test_views_that_start_off_the_alignment(m, k, n):
+    # Batch slices and storage offsets start at any byte: the kernels assume 64-byte
+    # aligned buffers (a misaligned B once crashed the packed kernel), so these are copied.
+    a = randn(3 * m * k + 1)[1:].view(3, m, k)
+    b = randn(3 * k * n + 1)[1:].view(3, k, n)
+    assert a[1].data_ptr() % 64 and b[1].data_ptr() % 64
+    assert_close(tg.matmul(a, b), torch.matmul(a, b), k)
+    assert_close(tg.matmul(a[1], b[2]), a[1] @ b[2], k)
+    w, bias = randn(n * k + 1)[1:].view(n, k), randn(n + 1)[1:]
+    assert_close(tg.linear(a[1], w, bias, "relu"), torch.relu(a[1] @ w.t() + bias), k)

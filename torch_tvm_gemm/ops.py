@@ -20,7 +20,7 @@ from torch import Tensor
 from . import _ext
 from .kernels.gemm import ACTIVATIONS, GemmSpec
 from .runtime import get_kernel, on_clear_table, sync_threads
-from .schedules.cpu import GEMV_MAX_M
+from .schedules.cpu import GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
 
 LIB = torch.library.Library("tvm_gemm", "DEF")  # noqa: TOR901 (ops defined here, once)
 LIB.define("matmul(Tensor a, Tensor b) -> Tensor")
@@ -228,29 +228,42 @@ def gemm(
         b_layout,
         bias is not None,
         activation,
-        "gemv" if m <= GEMV_MAX_M else "gemm",
+        gemm_variant(m, n, k),
         device,
     )
     kernel = get_kernel(spec)
     args = [a.contiguous(), b.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
+    args = [_aligned(t) for t in args]
+    dest = _aligned(out, copy=False)
     if a.is_cuda:
-        # The kernels use 16-byte vector loads and stores: a view starting mid-vector
-        # (a storage offset, a batch slice of `out`) goes through an aligned copy.
-        args = [t if t.data_ptr() % 16 == 0 else t.clone() for t in args]
-        dest = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
         # tvm_ffi launches on torch's current stream of the tensors' device (it asks torch
         # through DLPack); the kernel sets the CUDA device of its arguments, so keep torch's
         # current device as the caller had it.
         with torch.cuda.device(a.device):
             kernel(*args, dest)
-        if dest is not out:
-            out.copy_(dest)
     else:
         sync_threads()
-        kernel(*args, out)
+        kernel(*args, dest)
+    if dest is not out:
+        out.copy_(dest)
     return out
+
+
+# TVM kernels assume that each buffer starts on a boundary: 64 bytes on the CPU (TVM's
+# allocation alignment; seen: a batch slice of B at a 660-byte offset crashed the packed
+# kernel), 16 bytes for the CUDA kernels' vector accesses. A view that starts elsewhere (a
+# storage offset, a batch slice) goes through a fresh, aligned tensor.
+_ALIGNMENT = {"cpu": 64, "cuda": 16}
+
+
+def _aligned(t: Tensor, copy: bool = True) -> Tensor:
+    """``t`` if it starts on its device's kernel alignment, else a fresh tensor (a copy of
+    ``t`` with ``copy``; uninitialised for an output that is copied back afterwards)."""
+    if t.data_ptr() % _ALIGNMENT[_device_name(t)] == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if copy else torch.empty_like(t)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -505,7 +518,7 @@ def _conv2d_impl(
     args = [x.contiguous(), w_arg]
     if bias is not None:
         args.append(bias.contiguous())
-    kernel(*args, out)
+    kernel(*[_aligned(t) for t in args], out)  # out: fresh, hence aligned
     return out
 
 
@@ -690,7 +703,10 @@ def use_impl(path: str) -> str:
     if path == "cpp":
         # After register_autograd (below the C++ autograd fast path sits the Python kernel).
         ext.register_impls(
-            GEMV_MAX_M, list(ACTIVATIONS), [_DTYPE_NAMES[d] for d in SUPPORTED_DTYPES]
+            GEMV_MAX_M,
+            GEMV_MIN_B_ELEMENTS,
+            list(ACTIVATIONS),
+            [_DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

@@ -47,9 +47,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def op_spec(op: str, n: int, k: int, m: int, args) -> tuple[GemmSpec, int | None]:
     """The kernel spec ``ops.py`` builds for this op and shape, and K when symbolic."""
-    from torch_tvm_gemm.schedules.cpu import GEMV_MAX_M
+    from torch_tvm_gemm.schedules.cpu import gemm_variant
 
-    variant = "gemv" if m <= GEMV_MAX_M else "gemm"
+    variant = gemm_variant(m, n, k)
     if op == "matmul":  # ops.matmul compiles one kernel for every K
         return GemmSpec(args.dtype, n, None, "kn", variant=variant), k
     spec = GemmSpec(args.dtype, n, k, "nk", args.bias, args.activation, variant=variant)

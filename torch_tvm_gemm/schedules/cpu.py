@@ -18,7 +18,17 @@ from ..kernels.gemm import GemmSpec, gemm_compute
 from ..target import CpuInfo, host_cpu
 
 SCHEDULE_VERSION = 3  # bump when a schedule changes the binary: it is part of the cache key
-GEMV_MAX_M = 16  # ops.py picks the "gemv" variant for M at or below this
+# ops.py (and csrc/, given these two numbers) picks the "gemv" variant for M at or below
+# GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
+# smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
+# FMA chains in flight (16x16x16: 0.66 us per kernel call against 1.7 us for the gemv).
+GEMV_MAX_M = 16
+GEMV_MIN_B_ELEMENTS = 1 << 12
+
+
+def gemm_variant(m: int, n: int, k: int) -> str:
+    """The schedule variant for an (M, N, K) product: "gemv" or "gemm"."""
+    return "gemv" if m <= GEMV_MAX_M and n * k >= GEMV_MIN_B_ELEMENTS else "gemm"
 
 
 def _tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
