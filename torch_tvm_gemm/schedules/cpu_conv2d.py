@@ -37,7 +37,11 @@ def blocked_tile(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int] | None:
     discounted by the work wasted on padded output columns and channels, with at most
     ``MAX_ACC`` accumulators. Measured on Zen 5 (fp32, ResNet-50 3x3 layers): 14
     accumulators (7 x 2 vectors) beat 21, 24 and 28 (7x3, 12x2, 7x4: 0.45-0.8x the speed),
-    which leave LLVM too few registers for weights and addresses.
+    which leave LLVM too few registers for weights and addresses. Re-measured single-threaded
+    (CPU time of the calling thread, TVM_NUM_THREADS=1, ResNet-50 3x3 layers, batch 1 and 8):
+    7x2 245-256 GFLOPS (near this core's FMA peak), 6x3 129-203, 7x3 158-240, 4x4 161-234,
+    14x1 123-252; on the 1x1 layers 7x2 also won (199-247 GFLOPS) except 64->256 channels at
+    56x56 (14x1: 150 vs 133, the write-back transpose dominates at C=64).
     """
     vec = _vec(spec, cpu)
     max_acc = 14 if cpu.vector_registers >= 32 else 6
