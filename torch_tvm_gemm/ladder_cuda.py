@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .kernels.gemm import GemmSpec, gemm_compute
+from .ladder import _inline_operands
 
 CUDA_TARGET = {"kind": "cuda", "arch": "sm_80"}
 BK = 16  # k tile staged in shared memory
@@ -27,11 +28,6 @@ BK = 16  # k tile staged in shared memory
 
 def cuda_spec(n: int, k: int, dtype: str = "float32") -> GemmSpec:
     return GemmSpec(dtype=dtype, n=n, k=k, b_layout="kn", device="cuda")
-
-
-def _inline_operands(sch) -> None:
-    sch.compute_inline(sch.get_sblock("A_pad"))
-    sch.compute_inline(sch.get_sblock("B_pad"))
 
 
 def simple(spec: GemmSpec):
