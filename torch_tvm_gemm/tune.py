@@ -471,6 +471,12 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
     from tvm.ir import IRModule
     from tvm.s_tir import meta_schedule as ms
 
+    from .runtime import sync_threads
+
+    # Candidates run in this thread: give its TVM pool torch's thread count first (else, in a
+    # process that never ran an op, TVM sizes it to half the cores and the search ranks
+    # kernels by their one-thread speed: seen, 249 GFLOPS "best" against 480 on two).
+    sync_threads()
     work_dir = tuning_dir(spec)
     mod = IRModule({"main": tuned_compute(spec, m, k)})
     target = _target()
