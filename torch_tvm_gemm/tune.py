@@ -160,7 +160,7 @@ def _space(spec: GemmSpec, row_major: bool, parallel: str):
             sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
         else:
             sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
-        if parallel != "none":
+        if parallel != "none" and row_major:
             sch.parallel(sch.get_loops(b_pad)[0])
         mr = sch.sample_categorical(list(MR_CHOICES), [1 / len(MR_CHOICES)] * len(MR_CHOICES))
         i, j, k = sch.get_loops(acc)
@@ -184,6 +184,8 @@ def _space(spec: GemmSpec, row_major: bool, parallel: str):
         sch.vectorize(jii)
         if parallel != "none":
             sch.parallel(outer if parallel == "outer" else inner)
+        if not row_major:  # as the production schedule: each panel packed just before use
+            sch.compute_at(b_pad, jo)
         sch.decompose_reduction(acc, k)
 
     return apply
