@@ -44,16 +44,21 @@ def _extension_kwargs() -> dict:
     ffi_lib_dir = os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())
     ext = CppExtension(
         "torch_tvm_gemm._C",
-        ["csrc/tvm_gemm_ops.cpp"],
+        ["csrc/tvm_gemm_ops.cpp", "csrc/parallel_launch.cpp"],
         include_dirs=tvm_ffi.libinfo.include_paths(),
         library_dirs=[ffi_lib_dir],
         libraries=["tvm_ffi"],
         # -g0: Python's own CFLAGS add -g, which makes the library 12 MB instead of ~1 MB.
-        extra_compile_args=["-O3", "-g0"],
+        # -fopenmp: parallel_launch.cpp runs TVM's parallel loops on torch's OpenMP pool.
+        extra_compile_args=["-O3", "-g0", "-fopenmp"],
         # libtvm_ffi.so is found next to the installed package (site-packages/tvm_ffi/lib) or,
         # for an in-place / editable build, where it was at build time. At run time it is
         # normally already loaded (import tvm_ffi loads it RTLD_GLOBAL) and is reused by soname.
-        extra_link_args=[f"-Wl,-rpath,{ffi_lib_dir}", "-Wl,-rpath,$ORIGIN/../tvm_ffi/lib"],
+        extra_link_args=[
+            f"-Wl,-rpath,{ffi_lib_dir}",
+            "-Wl,-rpath,$ORIGIN/../tvm_ffi/lib",
+            "-fopenmp",
+        ],
     )
 
     class _BuildExt(BuildExtension):

@@ -517,6 +517,10 @@ int64_t table_size() {
 }  // namespace
 }  // namespace tvm_gemm
 
+namespace tvm_gemm {
+int64_t parallel_launch_address();  // parallel_launch.cpp
+}  // namespace tvm_gemm
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
@@ -528,4 +532,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch_keys", &tvm_gemm::dispatch_keys, "Dispatch keys the C++ impls cover.");
   m.def("clear_table", &tvm_gemm::clear_table, "Forget every cached kernel handle.");
   m.def("table_size", &tvm_gemm::table_size, "Number of cached kernel handles.");
+  m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,
+        "Address of the TVMBackendParallelLaunch replacement that runs on torch's OpenMP pool.");
 }

@@ -22,6 +22,7 @@ import torch
 import tvm_ffi
 
 ENV_RUNTIME_LIB_DIR = "TVM_GEMM_RUNTIME_LIB_DIR"  # folder with libtvm_runtime*.so (no tvm)
+ENV_TVM_POOL = "TVM_GEMM_TVM_POOL"  # 1: CPU kernels keep TVM's own thread pool (not torch's)
 
 _lock = threading.RLock()
 _table: dict[Any, Any] = {}  # spec -> kernel function
@@ -138,7 +139,54 @@ def load_kernel_file(path: os.PathLike, name: str, device: str = "cpu") -> Any:
     except Exception as err:  # a file that passed its hash check but does not load
         raise RuntimeError(f"torch_tvm_gemm: cannot load kernel {name} from {path}: {err}") from err
     keep_alive(module)
+    if device == "cpu":
+        _launch_on_torch_pool(path)
     return fn
+
+
+def _launch_on_torch_pool(path: os.PathLike) -> None:
+    """Point a loaded CPU kernel's parallel launcher at torch's OpenMP pool (the C++
+    extension's ``parallel_launch``, csrc/parallel_launch.cpp says why). Without the extension,
+    or for a kernel that synchronises its tasks with barriers (ours don't), TVM's pool stays."""
+    from . import _ext
+
+    ext = _ext.load()
+    if ext is None or os.environ.get(ENV_TVM_POOL, "") not in ("", "0"):
+        return
+    # The kernel library is already loaded: RTLD_NOLOAD hands back the same handle.
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    if _has_symbol(lib, "__TVMBackendParallelBarrier") or not _has_symbol(
+        lib, "__TVMBackendParallelLaunch"  # a kernel without parallel loops
+    ):
+        return
+    slot = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
+    slot.value = _torch_pool_launcher(ext)
+
+
+def _has_symbol(lib: ctypes.CDLL, name: str) -> bool:
+    try:
+        ctypes.c_void_p.in_dll(lib, name)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.cache
+def _torch_pool_launcher(ext) -> int:
+    return ext.parallel_launch_address()
+
+
+def parallel_launcher(path: os.PathLike) -> str | None:
+    """Which pool the loaded kernel library at ``path`` runs its parallel loops on: "torch",
+    "tvm", or None for a kernel without parallel loops."""
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    if not _has_symbol(lib, "__TVMBackendParallelLaunch"):
+        return None
+    from . import _ext
+
+    slot = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
+    ext = _ext.load()
+    return "torch" if ext is not None and slot.value == _torch_pool_launcher(ext) else "tvm"
 
 
 def get_kernel(spec) -> Any:
