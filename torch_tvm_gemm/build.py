@@ -17,6 +17,7 @@ SCHEDULES: dict[tuple[str, str], str] = {
     ("gemm", "cpu"): "torch_tvm_gemm.schedules.cpu:schedule_gemm",
     ("conv2d", "cpu"): "torch_tvm_gemm.schedules.cpu_conv2d:schedule_conv2d",
     ("gemm", "cuda"): "torch_tvm_gemm.schedules.cuda:schedule_gemm",  # (spec, arch)
+    ("conv2d", "cuda"): "torch_tvm_gemm.schedules.cuda_conv2d:schedule_conv2d",  # (spec, arch)
 }
 
 # Schedule versions are part of the cache key, so that a changed schedule is rebuilt.

@@ -70,7 +70,10 @@ class Conv2dSpec:
 
     def key(self) -> dict:
         # The conv schedule's version is part of the key: a changed schedule is rebuilt.
-        from ..schedules.cpu_conv2d import SCHEDULE_VERSION
+        if self.device == "cuda":
+            from ..schedules.cuda_conv2d import SCHEDULE_VERSION
+        else:
+            from ..schedules.cpu_conv2d import SCHEDULE_VERSION
 
         return {"family": self.family, "conv_schedule_version": SCHEDULE_VERSION, **asdict(self)}
 

@@ -106,12 +106,15 @@ def schedule_gemm(spec: GemmSpec, arch: str):
 # --- tensor cores -----------------------------------------------------------------------------
 
 
-def schedule_mma(spec: GemmSpec, cfg: MmaConfig):
+def schedule_mma(spec: GemmSpec, cfg: MmaConfig, func=None, vector: int | None = None):
+    """``func`` / ``vector``: another math with gemm_compute's blocks and "nk" B, padded to
+    ``cfg``'s tiles, and its load width (the conv's implicit GEMM, schedules/cuda_conv2d.py)."""
     from tvm import s_tir
 
     tile = cuda_intrin.TILE
-    vector = load_vector(spec)
-    func = gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, operand_dtype=spec.dtype, granule=vector)
+    vector = vector or load_vector(spec)
+    if func is None:
+        func = gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, operand_dtype=spec.dtype, granule=vector)
     sch = s_tir.Schedule(_int32_indices(func))
     names = cuda_intrin.intrinsics(spec.dtype, spec.b_layout == "nk")
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
@@ -260,15 +263,17 @@ def _pipeline(sch, k0, cfg) -> None:
 # --- SIMT ---------------------------------------------------------------------------------------
 
 
-def schedule_simt(spec: GemmSpec, cfg: SimtConfig):
+def schedule_simt(spec: GemmSpec, cfg: SimtConfig, func=None, vector: int | None = None):
     """Each thread accumulates a TM x TN register tile; A and B tiles staged in shared
     memory (converted to the accumulation dtype once, in the copy). Thread (ty, tx) owns
     rows ``ty*TM + r`` and columns ``tx*TN + c``: a contiguous tile, so that the epilogue's
-    per-thread region (and the register array) is exactly TM x TN."""
+    per-thread region (and the register array) is exactly TM x TN. ``func`` / ``vector``:
+    as in ``schedule_mma``."""
     from tvm import s_tir
 
-    vector = math.gcd(4, spec.k, spec.n)
-    func = gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, granule=vector)
+    vector = vector or math.gcd(4, spec.k, spec.n)
+    if func is None:
+        func = gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, granule=vector)
     sch = s_tir.Schedule(_int32_indices(func))
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     ty_n, tx_n = cfg.bm // cfg.tm, cfg.bn // cfg.tn
