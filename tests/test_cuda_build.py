@@ -275,3 +275,158 @@ def test_pack_loads_with_the_cuda_runtime_only(pack, tmp_path):
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
     assert "LOADED" in proc.stdout, proc.stderr[-2000:]
+
+
+# --- conv2d + bias + relu: the implicit GEMM ---------------------------------------------------
+
+# A 3x3 pad-1 layer (K <= 64: the narrow block), a 1x1, a strided one with K > 128 (padded
+# column blocks), a 7x7 stem with C = 3 (no vector loads), and an fp32 SIMT kernel.
+CONV_OPS = [
+    "conv2d:float16:64:64:3x3:14x14:p1",
+    "conv2d:bfloat16:64:64:3x3:14x14:p1",
+    "conv2d:bfloat16:256:128:1x1:28x28",
+    "conv2d:float16:32:136:3x3:15x13:s2:p1",
+    "conv2d:bfloat16:3:24:7x7:23x21:s2:p3:norelu",
+    "conv2d:float32:16:40:3x3:9x9:p1",
+]
+
+
+@pytest.fixture(scope="session")
+def conv_kernels(tmp_path_factory) -> list[dict]:
+    """The conv kernels, built once through the ``compile`` CLI, with SASS and usage."""
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path_factory.mktemp("cuda_conv_pack")
+    argv = ["compile", "--target", "cuda", "--arch", ",".join(ARCHES), "--out", str(out)]
+    assert main([*argv, "--ops", *CONV_OPS]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    entries = []
+    for entry in manifest["kernels"]:
+        fatbin = cuda_pack.fatbin_from_library(out / entry["file"])
+        entry = dict(entry, spec=cuda_pack.spec_from_key(entry["key"]), fatbin=fatbin)
+        if cuda_pack.find_cuobjdump():
+            entry["sass"] = cuda_pack.sass_by_arch(fatbin)
+            entry["usage"] = _resource_usage(fatbin)
+        entries.append(entry)
+    return entries
+
+
+def test_compile_cli_parses_conv_ops():
+    from torch_tvm_gemm.cli.compile import parse_conv_op
+
+    spec = parse_conv_op("conv2d:bfloat16:3:24:7x5:23x21:s2:p3x2:norelu")
+    assert (spec.c, spec.k, spec.r, spec.s, spec.h, spec.w) == (3, 24, 7, 5, 23, 21)
+    assert (spec.stride, spec.padding, spec.dilation) == ((2, 2), (3, 2), (1, 1))
+    assert spec.bias and not spec.relu and spec.device == "cuda"
+    for bad in (
+        "conv2d:float16:4:4:3x3",
+        "conv2d:int8:4:4:1x1:8x8",
+        "conv2d:float16:4:4:3x3:8x8:q1",
+    ):
+        with pytest.raises(SystemExit, match="bad conv"):
+            parse_conv_op(bad)
+
+
+def test_conv_pack_presets_and_keys_round_trip():
+    from torch_tvm_gemm.cuda_cases import CONV_TEST_CASES, pack_specs
+
+    specs = [s for s in pack_specs("test") if s.family == "conv2d"]
+    assert {s.device for s in specs} == {"cuda"} and all(s.groups == 1 for s in specs)
+    assert {case.spec() for case in CONV_TEST_CASES} <= set(specs)
+    for spec in specs:  # what a pack manifest stores gives the same spec back
+        assert cuda_pack.spec_from_key(json.loads(json.dumps(spec.key()))) == spec
+
+
+@needs_nvcc
+def test_conv_kernels_built_for_both_arches(conv_kernels):
+    assert len(conv_kernels) == len(CONV_OPS)
+    for entry in conv_kernels:
+        assert entry["spec"].family == "conv2d" and entry["arches"] == list(ARCHES)
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_conv_sass_tensor_cores_and_no_spills(conv_kernels):
+    for entry in conv_kernels:
+        spec = entry["spec"]
+        for arch, text in entry["sass"].items():
+            where = f"{entry['name']} {arch}"
+            if _uses_mma(spec):
+                assert re.search(r"HMMA\.16816\.F32", text), where
+                assert "LDSM" in text, where
+                if spec.c % 8 == 0 and spec.k % 8 == 0:  # 16-byte gathers: cp.async
+                    assert "LDGSTS" in text, where
+            else:
+                assert "HMMA" not in text and "FFMA" in text, where
+            assert not re.search(r"\b(LDL|STL)\b", text), where
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_conv_registers_and_shared_memory_fit_the_launch(conv_kernels):
+    from torch_tvm_gemm.schedules.cuda_conv2d import launch_config
+
+    for entry in conv_kernels:
+        for arch, usage in entry["usage"].items():
+            launch = launch_config(entry["spec"], arch)
+            where = f"{entry['name']} {arch}: {usage} {launch}"
+            assert usage["REG"] <= 255 and usage["REG"] * launch["threads"] <= 65536, where
+            assert usage["STACK"] == 0 and usage["LOCAL"] == 0, where
+            assert usage["SHARED"] + launch["smem_bytes"] <= SMEM_LIMIT[arch], where
+
+
+@needs_nvcc
+def test_conv_ptxas_verbose_on_generated_source():
+    """``ptxas -v`` on a conv kernel's source: registers within __launch_bounds__, no spills,
+    shared memory all dynamic (the launch configuration's)."""
+    from torch_tvm_gemm import build
+    from torch_tvm_gemm.cli.compile import parse_conv_op
+    from torch_tvm_gemm.schedules.cuda_conv2d import launch_config
+
+    spec = parse_conv_op("conv2d:float16:32:136:3x3:15x13:s2:p1")
+    executable, _ = build.compile_spec(spec, arch="sm_80", arches=ARCHES)
+    bounds = int(re.search(r"__launch_bounds__\((\d+)\)", executable.source).group(1))
+    assert bounds == launch_config(spec, "sm_80")["threads"]
+    for arch in ARCHES:
+        info = cuda_pack.ptxas_info(executable.source, arch)
+        assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
+        assert 0 < info["registers"] <= 65536 // bounds and info["smem"] == 0, info
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_conv_cuda_impl_host_logic_on_cpu(monkeypatch, channels_last):
+    """The CUDA impl's layouts (NHWC input, (K, R*S*C) weight, NHWC output given back as NCHW)
+    and its spec, run on the CPU: the kernel is the same implicit-GEMM math (unscheduled),
+    compiled for LLVM. The GPU tests check the scheduled kernels themselves."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    import tvm
+
+    from torch_tvm_gemm import ops
+    from torch_tvm_gemm.kernels.conv2d_cuda import conv2d_gemm_compute
+
+    def cpu_kernel(spec):
+        assert spec.device == "cuda" and spec.groups == 1
+        func = conv2d_gemm_compute(spec, 32, 16, 16, granule=1)  # padded, as on the GPU
+        return tvm.compile(tvm.IRModule({"main": func}), target={"kind": "llvm"})["main"]
+
+    monkeypatch.setattr(ops, "get_kernel", cpu_kernel)
+    monkeypatch.setattr(ops, "_check_cuda_arch", lambda x: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(
+        ops, "_cuda_channels_last", lambda x: channels_last and not x.is_contiguous()
+    )
+    x, w, b = torch.randn(3, 6, 11, 9), torch.randn(10, 6, 3, 3), torch.randn(10)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    for bias, stride, padding in ((b, 1, 1), (None, (2, 1), (0, 2))):
+        y = ops._conv2d_cuda_impl(x, w, bias, stride, padding, 1, 1, True)
+        expected = F.relu(F.conv2d(x, w, bias, stride, padding))
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        assert y.is_contiguous(memory_format=torch.channels_last) == channels_last
+    with pytest.raises(NotImplementedError, match="argument 'groups' must be 1 on CUDA"):
+        ops._conv2d_cuda_impl(x, torch.randn(10, 3, 3, 3), None, 1, 1, 1, 2, True)
+    empty = ops._conv2d_cuda_impl(x[:0], w, b, 1, 1, 1, 1, True)
+    assert empty.shape == (0, 10, 11, 9)

@@ -9,10 +9,19 @@ test`` builds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from torch_tvm_gemm.cuda_cases import GRAD_CASES, TEST_CASES, Case
+from torch_tvm_gemm.cuda_cases import (
+    CONV_GRAD_CASES,
+    CONV_TEST_CASES,
+    GRAD_CASES,
+    TEST_CASES,
+    Case,
+    ConvCase,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -118,3 +127,71 @@ def test_old_arch_is_rejected(monkeypatch):
     a = torch.randn(4, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="sm_60.*sm_70"):
         torch.ops.tvm_gemm.matmul(a, a.t().contiguous())
+
+
+# --- conv2d + bias + relu ----------------------------------------------------------------------
+
+
+def _conv_tol(case: ConvCase) -> dict:
+    if case.dtype == torch.float32:
+        return {"rtol": 1e-4, "atol": 1e-4 * case.reduction**0.5}
+    eps = 2**-7 if case.dtype == torch.bfloat16 else 2**-10
+    return {"rtol": 2 * eps, "atol": 2 * eps * case.reduction**0.5 / 4}
+
+
+def _check_conv(case: ConvCase, out, args) -> None:
+    expected = case.reference(*args)
+    assert out.dtype == case.dtype and out.device == args[0].device
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), **_conv_tol(case))
+
+
+def _conv_id(case: ConvCase) -> str:
+    cl = "-cl" if case.channels_last else ""
+    return f"{case.dtype}-n{case.n}c{case.c}{case.h}x{case.w}k{case.k}r{case.r}s{case.stride}{cl}"
+
+
+@pytest.mark.parametrize("case", CONV_TEST_CASES, ids=_conv_id)
+def test_conv_numerics_vs_torch(case):
+    args = case.inputs("cuda")
+    out = case.run(*args)
+    _check_conv(case, out, args)
+    # Memory format as F.conv2d's: channels_last in, channels_last out; else contiguous.
+    if case.channels_last:
+        assert out.is_contiguous(memory_format=torch.channels_last)
+    else:
+        assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("n", [1, 5, 0])
+def test_conv_any_batch_one_kernel(n):
+    case = dataclasses.replace(CONV_TEST_CASES[0], n=n)  # the spec has no batch: same kernel
+    args = case.inputs("cuda")
+    _check_conv(case, case.run(*args), args)
+
+
+@pytest.mark.parametrize("case", CONV_GRAD_CASES, ids=_conv_id)
+def test_conv_autograd_and_opcheck(case):
+    args = case.inputs("cuda", requires_grad=True)
+    ref_args = [a.detach().clone().requires_grad_(True) if torch.is_tensor(a) else a for a in args]
+    case.run(*args).float().sum().backward()
+    case.reference(*ref_args).float().sum().backward()
+    for got, want in zip(args, ref_args, strict=True):
+        if torch.is_tensor(got):
+            torch.testing.assert_close(got.grad.float(), want.grad.float(), **_conv_tol(case))
+    torch.library.opcheck(torch.ops.tvm_gemm.conv2d_bias_relu.default, case.inputs("cuda", True))
+    last = dataclasses.replace(case, channels_last=True)  # the fake kernel's strides too
+    torch.library.opcheck(torch.ops.tvm_gemm.conv2d_bias_relu.default, last.inputs("cuda", True))
+
+
+def test_conv_torch_compile_fullgraph():
+    case = CONV_GRAD_CASES[0]
+    args = case.inputs("cuda")
+    _check_conv(case, torch.compile(case.run, fullgraph=True)(*args), args)
+
+
+def test_conv_groups_are_rejected_on_cuda():
+    x = torch.randn(1, 4, 8, 8, device="cuda", dtype=torch.float16)
+    w = torch.randn(4, 2, 3, 3, device="cuda", dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="conv2d_bias_relu: argument 'groups'"):
+        torch.ops.tvm_gemm.conv2d_bias_relu(x, w, None, 1, 1, 1, 2)

@@ -54,6 +54,65 @@ class Case:
         return y.to(self.dtype)
 
 
+@dataclass(frozen=True)
+class ConvCase:
+    """``conv2d_bias_relu`` on an ``(n, c, h, w)`` input and a ``(k, c, r, r)`` weight."""
+
+    dtype: torch.dtype
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int  # output channels
+    r: int  # square kernel
+    stride: int | tuple[int, int] = 1
+    padding: int | tuple[int, int] = 0
+    dilation: int | tuple[int, int] = 1
+    bias: bool = True
+    relu: bool = True
+    channels_last: bool = False
+
+    op = "conv2d"
+
+    @property
+    def reduction(self) -> int:  # the GEMM's K: terms in each output's sum
+        return self.c * self.r * self.r
+
+    def inputs(self, device, requires_grad: bool = False, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+
+        def rand(*shape):
+            t = (torch.randn(*shape, generator=g) / self.reduction**0.25).to(self.dtype)
+            return t.to(device).requires_grad_(requires_grad)
+
+        x = rand(self.n, self.c, self.h, self.w)
+        if self.channels_last:
+            x = x.detach().to(memory_format=torch.channels_last).requires_grad_(requires_grad)
+        bias = rand(self.k) if self.bias else None
+        w = rand(self.k, self.c, self.r, self.r)
+        return (x, w, bias, self.stride, self.padding, self.dilation, 1, self.relu)
+
+    def run(self, *args):
+        return torch.ops.tvm_gemm.conv2d_bias_relu(*args)
+
+    def reference(self, *args):
+        """``F.relu(F.conv2d(...))`` accumulated in float32 for fp16 / bf16 (exact even where
+        cuDNN rounds fp32 inputs to TF32: their values fit), in float64 for fp32 / fp64."""
+        x, w, b, stride, padding, dilation, groups, relu = args
+        wide = torch.float32 if self.dtype in NARROW else torch.float64
+        y = torch.nn.functional.conv2d(
+            x.to(wide), w.to(wide), None if b is None else b.to(wide), stride, padding, dilation
+        )
+        return (torch.relu(y) if relu else y).to(self.dtype)
+
+    def spec(self):
+        """The kernel a CUDA run asks for (the op's own spec function, on meta tensors)."""
+        from .ops import conv2d_cuda_spec
+
+        x, w, b, stride, padding, dilation, _, relu = self.inputs("meta")
+        return conv2d_cuda_spec(x, w, b, stride, padding, dilation, relu)
+
+
 NARROW = (torch.float16, torch.bfloat16)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -75,6 +134,37 @@ GRAD_CASES = [
     Case("matmul", torch.bfloat16, 33, 64, 48),
     Case("linear", torch.float16, 40, 72, 56, True, "relu"),
     Case("linear", torch.float32, 24, 40, 32, True, "gelu"),
+]
+# conv2d: numerics at odd shapes. A 3x3 pad-1 layer (K <= 64: the narrow block), a 1x1, a
+# strided one with K > 128 (two column blocks, padded), a 7x7 stem with C = 3 (no vector
+# loads, no relu), and stride / padding / dilation differing per axis with C % 8 != 0.
+CONV_TEST_CASES = [
+    ConvCase(dt, *shape, **opts)
+    for dt in GPU_DTYPES
+    for shape, opts in [
+        ((2, 64, 14, 14, 64, 3), {"padding": 1}),
+        ((3, 40, 9, 11, 72, 1), {}),
+        ((2, 32, 15, 13, 136, 3), {"stride": 2, "padding": 1}),
+        ((1, 3, 23, 21, 24, 7), {"stride": 2, "padding": 3, "relu": False}),
+        (
+            (2, 12, 10, 9, 20, 3),
+            {"stride": (1, 2), "padding": (0, 1), "dilation": 2, "bias": False},
+        ),
+    ]
+] + [ConvCase(torch.float16, 2, 64, 14, 14, 64, 3, padding=1, channels_last=True)]
+CONV_GRAD_CASES = [ConvCase(torch.float16, 2, 16, 9, 10, 24, 3, padding=1)]
+# ResNet-50 layers at batch 32, channels_last (the layout tensor-core convs run in).
+CONV_BENCH_CASES = [
+    ConvCase(dt, 32, c, hw, hw, k, r, padding=r // 2, channels_last=True)
+    for dt in NARROW
+    for (c, k, hw, r) in [
+        (64, 64, 56, 3),
+        (256, 64, 56, 1),
+        (128, 128, 28, 3),
+        (256, 256, 14, 3),
+        (1024, 256, 14, 1),
+        (512, 512, 7, 3),
+    ]
 ]
 BENCH_CASES = [
     Case("matmul", dt, s, s, s) for s in (512, 4096, 8192) for dt in (torch.bfloat16, torch.float16)
@@ -106,10 +196,16 @@ def _recording(found: list):
 
 
 def record_specs(cases, backward: bool = False) -> list:
-    """The kernel specs a GPU run of ``cases`` (and their backward) would ask for."""
+    """The kernel specs a GPU run of ``cases`` (and their backward) would ask for.
+
+    A conv case asks for its forward kernel only (its backward runs in PyTorch).
+    """
     found: list = []
     with _recording(found):
         for case in cases:
+            if isinstance(case, ConvCase):
+                found.append(case.spec())
+                continue
             args = case.inputs("cpu", requires_grad=backward)
             out = case.run(*args)
             if backward:
@@ -124,11 +220,11 @@ def record_specs(cases, backward: bool = False) -> list:
 def pack_specs(preset: str) -> list:
     """Specs of a named preset: "test" (GPU tests) or "bench" (benchmark), or "all"."""
     if preset == "test":
-        return record_specs(TEST_CASES) + [
-            s for s in record_specs(GRAD_CASES, backward=True) if s not in record_specs(TEST_CASES)
-        ]
+        specs = record_specs(TEST_CASES + CONV_TEST_CASES)
+        grads = record_specs(GRAD_CASES + CONV_GRAD_CASES, backward=True)
+        return specs + [s for s in grads if s not in specs]
     if preset == "bench":
-        return record_specs(BENCH_CASES)
+        return record_specs(BENCH_CASES + CONV_BENCH_CASES)
     if preset == "all":
         specs = pack_specs("test")
         return specs + [s for s in pack_specs("bench") if s not in specs]

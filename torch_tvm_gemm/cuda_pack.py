@@ -243,9 +243,14 @@ def _sha256(path: Path) -> str:
 
 
 def spec_from_key(key: dict):
+    """The spec of a manifest key (``spec.key()`` read back from JSON)."""
+    from .kernels.conv2d import Conv2dSpec
     from .kernels.gemm import GemmSpec
 
-    fields = {k: v for k, v in key.items() if k != "family"}
+    fields = {k: v for k, v in key.items() if k not in ("family", "conv_schedule_version")}
+    if key["family"] == "conv2d":
+        pairs = {name: tuple(fields[name]) for name in ("stride", "padding", "dilation")}
+        return Conv2dSpec(**{**fields, **pairs})  # (JSON made the pairs lists)
     return GemmSpec(**fields)
 
 

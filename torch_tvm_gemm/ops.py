@@ -179,15 +179,20 @@ CUDA_MIN_CAPABILITY = (7, 0)
 _INT32_MAX = 2**31 - 1
 
 
-def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> None:
-    """What the CUDA kernels need beyond the shared checks: a Volta or newer GPU and sizes
-    that 32-bit indices address (the kernels index in int32)."""
+def _check_cuda_arch(a: Tensor) -> None:
+    """The CUDA kernels need a Volta or newer GPU."""
     major, minor = torch.cuda.get_device_capability(a.device)
     if (major, minor) < CUDA_MIN_CAPABILITY:
         raise RuntimeError(
             f"tvm_gemm: {a.device} ({torch.cuda.get_device_name(a.device)}) is sm_{major}{minor}; "
             "the CUDA kernels need sm_70 (Volta) or newer"
         )
+
+
+def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> None:
+    """What the CUDA kernels need beyond the shared checks: a Volta or newer GPU and sizes
+    that 32-bit indices address (the kernels index in int32)."""
+    _check_cuda_arch(a)
     if max(m * k, n * k, m * n) > _INT32_MAX:
         raise ValueError(
             f"tvm_gemm: CUDA kernels index in 32 bits; a ({m}x{k}) @ ({k}x{n}) problem has an "
@@ -488,11 +493,8 @@ def _conv2d_impl(
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if weight.shape[1] == 0:  # no input channels: an empty sum
-        zero = bias.view(1, -1, 1, 1).expand(shape) if bias is not None else out.zero_()
-        return out.copy_(torch.relu(zero) if relu else zero)
+    if out.numel() == 0 or weight.shape[1] == 0:
+        return _conv2d_trivial(out, bias, relu)
     n, c, h, w = x.shape
     k, _, r, s = weight.shape
     spec = Conv2dSpec(
@@ -522,6 +524,15 @@ def _conv2d_impl(
     return out
 
 
+def _conv2d_trivial(out: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
+    """``out`` filled for a conv with nothing to compute: an empty output, or no input
+    channels (an empty sum: relu(bias) or zeros)."""
+    if out.numel() == 0:
+        return out
+    zero = bias.view(1, -1, 1, 1).expand(out.shape) if bias is not None else out.zero_()
+    return out.copy_(torch.relu(zero) if relu else zero)
+
+
 # id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
 # used only while the weight is the same object with the same storage and version (an
 # in-place update, e.g. an optimizer step, bumps the version), and dropped with the weight.
@@ -531,21 +542,113 @@ _PACKED: dict[int, tuple] = {}
 def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
     """``weight`` in the blocked kernels' layout, packed once and reused while unchanged."""
     dtype = getattr(torch, acc_dtype)
+    return _cached_weight(weight, (kb, dtype), lambda: pack_weight(weight, kb, dtype))
+
+
+def _cached_weight(weight: Tensor, layout, pack: Callable[[], Tensor]) -> Tensor:
+    """``pack()`` (``weight`` in a kernel's ``layout``), made once and reused while unchanged."""
     try:
-        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), kb, dtype)
+        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), layout)
     except RuntimeError:  # an inference tensor has no version counter: pack every time
-        return pack_weight(weight, kb, dtype)
+        return pack()
     key = id(weight)
     hit = _PACKED.get(key)
     if hit is not None and hit[0]() is weight and hit[1] == ident:
         return hit[2]
-    packed = pack_weight(weight, kb, dtype)
+    packed = pack()
     ref = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
     _PACKED[key] = (ref, ident, packed)
     return packed
 
 
 LIB.impl(_CONV, _conv2d_impl, "CPU")
+
+
+# CUDA: an implicit GEMM on tensor cores (kernels/conv2d_cuda.py) over an NHWC input and a
+# (K, R*S*C) weight. The op stays NCHW: a channels_last x (the layout tensor-core convs want)
+# is NHWC already, so it costs no copy and gives a channels_last output, as F.conv2d does;
+# a contiguous x is permuted to NHWC first and the output copied back to contiguous NCHW.
+
+
+def _cuda_channels_last(x: Tensor) -> bool:
+    """Whether the CUDA impl returns a channels_last output for ``x`` (the fake kernel too)."""
+    return (
+        x.is_cuda
+        and x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def conv2d_cuda_spec(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, relu: bool
+) -> Conv2dSpec:
+    """The CUDA kernel a (validated, groups == 1) call asks for; ``cuda_cases`` records it."""
+    n, c, h, w = x.shape
+    k, _, r, s = weight.shape
+    return Conv2dSpec(
+        dtype=_DTYPE_NAMES[x.dtype],
+        c=c,
+        k=k,
+        r=r,
+        s=s,
+        h=h,
+        w=w,
+        stride=_pair(_CONV, "stride", stride, 1),
+        padding=_pair(_CONV, "padding", padding, 0),
+        dilation=_pair(_CONV, "dilation", dilation, 1),
+        bias=bias is not None,
+        relu=relu,
+        device="cuda",
+    )
+
+
+def _conv2d_cuda_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if groups != 1:
+        raise NotImplementedError(
+            f"tvm_gemm.{_CONV}: argument 'groups' must be 1 on CUDA, got {groups} (grouped "
+            "and depthwise convolutions have CPU kernels only; use F.conv2d on the GPU)"
+        )
+    _check_cuda_arch(x)
+    n, k, oh, ow = shape
+    if max(x.numel(), math.prod(shape), weight.numel()) > _INT32_MAX:
+        raise ValueError(
+            f"tvm_gemm.{_CONV}: CUDA kernels index in 32 bits; x {tuple(x.shape)} with weight "
+            f"{tuple(weight.shape)} has a tensor of 2**31 elements or more (split the batch)"
+        )
+    channels_last = _cuda_channels_last(x)
+    # The kernel writes NHWC: ``nhwc`` is its output, ``out`` the same memory as N, K, OH, OW.
+    nhwc = torch.empty((n, oh, ow, k), dtype=x.dtype, device=x.device)
+    out = nhwc.permute(0, 3, 1, 2)
+    if out.numel() == 0 or weight.shape[1] == 0:
+        out = _conv2d_trivial(out, bias, relu)
+    else:
+        kernel = get_kernel(conv2d_cuda_spec(x, weight, bias, stride, padding, dilation, relu))
+        x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
+        args = [x_nhwc, _cached_weight(weight, "krsc", lambda: _weight_krsc(weight))]
+        if bias is not None:
+            args.append(bias.contiguous())
+        with torch.cuda.device(x.device):  # (as in gemm: tvm_ffi uses torch's current stream)
+            kernel(*[_aligned(t) for t in args], nhwc.view(n * oh * ow, k))
+    return out if channels_last else out.contiguous()
+
+
+def _weight_krsc(weight: Tensor) -> Tensor:
+    """The CUDA kernels' B operand: ``(K, C, R, S)`` -> ``(K, R*S*C)``, channels fastest."""
+    return weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
+
+
+LIB.impl(_CONV, _conv2d_cuda_impl, "CUDA")
 
 
 @torch.library.register_fake("tvm_gemm::conv2d_bias_relu")
@@ -559,7 +662,10 @@ def _conv2d_fake(
     groups: int = 1,
     relu: bool = True,
 ) -> Tensor:
-    return x.new_empty(check_conv2d(x, weight, bias, stride, padding, dilation, groups))
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if _cuda_channels_last(x):
+        return x.new_empty(shape, memory_format=torch.channels_last)
+    return x.new_empty(shape)
 
 
 _CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True]  # bias ... relu

@@ -7,7 +7,11 @@
 An op is ``OP:DTYPE:N:K[:EPILOGUE]``: OP ``matmul`` (B is (K, N)) or ``linear`` (weight
 (N, K)); EPILOGUE (linear only) ``bias``, ``relu``, ``gelu``, ``bias+relu``, ``bias+gelu``.
 Each op is built in both M variants (small M <= 16 and general) unless ``--variants`` says
-otherwise. A GPU process loads the pack with ``TVM_GEMM_PACK=pack/`` (runtime only).
+otherwise. A conv2d + bias + relu kernel (groups 1, any batch) is
+``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
+(padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``; e.g.
+``conv2d:float16:64:64:3x3:56x56:p1``. A GPU process loads the pack with
+``TVM_GEMM_PACK=pack/`` (runtime only).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ def register(sub) -> None:
     p = sub.add_parser("compile", help="cross-compile CUDA kernels (nvcc, no GPU) into a pack")
     p.add_argument("--target", default="cuda", choices=["cuda"])
     p.add_argument("--arch", default="sm_80,sm_90", help="comma-separated, e.g. sm_80,sm_90")
-    p.add_argument("--ops", nargs="*", default=[], help="OP:DTYPE:N:K[:EPILOGUE] ...")
+    p.add_argument(
+        "--ops", nargs="*", default=[], help="OP:DTYPE:N:K[:EPILOGUE] or conv2d:... (see above)"
+    )
     p.add_argument(
         "--preset", choices=["test", "bench", "all"], help="kernels of the GPU tests/bench"
     )
@@ -62,6 +68,50 @@ def parse_op(text: str, variants: list[str]) -> list:
     ]
 
 
+def parse_conv_op(text: str):
+    """``conv2d:float16:64:64:3x3:56x56:s2:p1`` -> a CUDA Conv2dSpec."""
+    from ..kernels.conv2d import Conv2dSpec
+
+    def pair(value: str) -> tuple[int, int]:
+        a, _, b = value.partition("x")
+        return int(a), int(b or a)
+
+    parts = text.split(":")
+    try:
+        if len(parts) < 6 or parts[0] != "conv2d" or parts[1] not in DTYPES:
+            raise ValueError
+        (r, s), (h, w) = pair(parts[4]), pair(parts[5])
+        geometry = {"s": (1, 1), "p": (0, 0), "d": (1, 1)}
+        flags = set()
+        for option in parts[6:]:
+            if option in ("nobias", "norelu"):
+                flags.add(option)
+            elif option[:1] in geometry:
+                geometry[option[0]] = pair(option[1:])
+            else:
+                raise ValueError
+        return Conv2dSpec(
+            dtype=parts[1],
+            c=int(parts[2]),
+            k=int(parts[3]),
+            r=r,
+            s=s,
+            h=h,
+            w=w,
+            stride=geometry["s"],
+            padding=geometry["p"],
+            dilation=geometry["d"],
+            bias="nobias" not in flags,
+            relu="norelu" not in flags,
+            device="cuda",
+        )
+    except ValueError:
+        raise SystemExit(
+            f"compile: bad conv {text!r}; expected conv2d:DTYPE:C:K:RxS:HxW[:sN][:pN][:dN]"
+            "[:nobias][:norelu], e.g. conv2d:float16:64:64:3x3:56x56:p1"
+        ) from None
+
+
 def run(args) -> int:
     from .. import cuda_pack
     from ..schedules.cuda import MIN_ARCH, arch_number
@@ -78,7 +128,8 @@ def run(args) -> int:
 
         specs += pack_specs(args.preset)
     for text in args.ops:
-        specs += [s for s in parse_op(text, variants) if s not in specs]
+        parsed = [parse_conv_op(text)] if text.startswith("conv2d:") else parse_op(text, variants)
+        specs += [s for s in parsed if s not in specs]
     if not specs:
         raise SystemExit("compile: nothing to build (give --ops or --preset)")
     print(f"building {len(specs)} CUDA kernels for {', '.join(arches)} into {args.out}")
