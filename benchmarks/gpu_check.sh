@@ -8,8 +8,9 @@
 #    fills .gpu_carry/ (git-ignored, ~10 MB; the device tool's carry limit is 64 MiB):
 #        wheels/  apache-tvm-ffi 0.1.14.post1 (cp312) and pytest (+ deps) for Python 3.12
 #        lib/     libtvm_runtime.so and libtvm_runtime_cuda.so copied from the apache-tvm wheel
-#        pack/    the kernels of the GPU tests and the benchmark, cross-compiled for the arch
-#                 (`python -m torch_tvm_gemm compile --preset all`), with manifest.json
+#        pack/    the kernels of the GPU tests and the benchmark (GEMM and conv2d), cross-
+#                 compiled for the arch (`python -m torch_tvm_gemm compile --preset all`),
+#                 with manifest.json
 #
 # 2. On the GPU machine (H200 image: Python 3.12, torch 2.11 + CUDA 13, no apache-tvm), through
 #    the device tool, from the repo root; nothing comes from ../shared, only the working tree

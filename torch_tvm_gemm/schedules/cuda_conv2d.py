@@ -41,23 +41,30 @@ def gemm_view(spec: Conv2dSpec) -> GemmSpec:
     )
 
 
+def uses_tensor_cores(spec: Conv2dSpec, arch: str) -> bool:
+    """The mma.sync schedule: fp16 / bf16 on sm_80+ (its own test, not the GEMM's: a GEMM
+    tensor-core path for older GPUs would not be this schedule)."""
+    return spec.dtype in ("float16", "bfloat16") and cuda.arch_number(arch) >= cuda.MMA_MIN_ARCH
+
+
 def mma_config(spec: Conv2dSpec) -> cuda.MmaConfig:
     return MMA_NARROW if spec.k <= NARROW_K else cuda.MMA_CONFIGS["gemm"]
 
 
 def launch_config(spec: Conv2dSpec, arch: str) -> dict:
     """Threads per block and shared memory of the schedule of ``spec`` (for checks)."""
-    gemm = gemm_view(spec)
-    if cuda.uses_tensor_cores(gemm, arch):
+    if uses_tensor_cores(spec, arch):
         cfg = mma_config(spec)
         return {"threads": cfg.threads, "smem_bytes": cfg.smem_bytes(), "schedule": "mma"}
-    return cuda.launch_config(gemm, arch)
+    cfg = cuda.SIMT_CONFIGS["gemm"]
+    smem = (cfg.bm + cfg.bn) * cfg.bk * (8 if spec.dtype == "float64" else 4)
+    return {"threads": cfg.threads, "smem_bytes": smem, "schedule": "simt"}
 
 
 def schedule_conv2d(spec: Conv2dSpec, arch: str):
     """The scheduled IRModule of ``spec`` for a GPU of compute capability ``arch``."""
     gemm = gemm_view(spec)
-    if cuda.uses_tensor_cores(gemm, arch):
+    if uses_tensor_cores(spec, arch):
         cfg = mma_config(spec)
         vector = load_granule(spec, 8)  # 8 halves: one 16-byte cp.async
         func = conv2d_gemm_compute(
