@@ -280,7 +280,7 @@ def test_pack_loads_with_the_cuda_runtime_only(pack, tmp_path):
 # --- conv2d + bias + relu: the implicit GEMM ---------------------------------------------------
 
 # A 3x3 pad-1 layer (K <= 64: the narrow block), a 1x1, a strided one with K > 128 (padded
-# column blocks), a 7x7 stem with C = 3 (no vector loads), and an fp32 SIMT kernel.
+# column blocks), a 7x7 stem with C = 3 (no vector loads), and fp32 / fp64 SIMT kernels.
 CONV_OPS = [
     "conv2d:float16:64:64:3x3:14x14:p1",
     "conv2d:bfloat16:64:64:3x3:14x14:p1",
@@ -288,6 +288,7 @@ CONV_OPS = [
     "conv2d:float16:32:136:3x3:15x13:s2:p1",
     "conv2d:bfloat16:3:24:7x7:23x21:s2:p3:norelu",
     "conv2d:float32:16:40:3x3:9x9:p1",
+    "conv2d:float64:12:20:3x3:10x9:s1x2:p0x1:d2:nobias",
 ]
 
 
@@ -357,7 +358,8 @@ def test_conv_sass_tensor_cores_and_no_spills(conv_kernels):
                 if spec.c % 8 == 0 and spec.k % 8 == 0:  # 16-byte gathers: cp.async
                     assert "LDGSTS" in text, where
             else:
-                assert "HMMA" not in text and "FFMA" in text, where
+                fma = "DFMA" if spec.dtype == "float64" else "FFMA"
+                assert "HMMA" not in text and fma in text, where
             assert not re.search(r"\b(LDL|STL)\b", text), where
 
 

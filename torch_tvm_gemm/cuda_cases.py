@@ -151,7 +151,10 @@ CONV_TEST_CASES = [
             {"stride": (1, 2), "padding": (0, 1), "dilation": 2, "bias": False},
         ),
     ]
-] + [ConvCase(torch.float16, 2, 64, 14, 14, 64, 3, padding=1, channels_last=True)]
+] + [
+    ConvCase(torch.float16, 2, 64, 14, 14, 64, 3, padding=1, channels_last=True),
+    ConvCase(torch.float64, 2, 12, 10, 9, 20, 3, (1, 2), (0, 1), 2, bias=False),
+]
 CONV_GRAD_CASES = [ConvCase(torch.float16, 2, 16, 9, 10, 24, 3, padding=1)]
 # ResNet-50 layers at batch 32, channels_last (the layout tensor-core convs run in).
 CONV_BENCH_CASES = [

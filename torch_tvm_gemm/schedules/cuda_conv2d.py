@@ -72,6 +72,7 @@ def schedule_conv2d(spec: Conv2dSpec, arch: str):
         )
         return cuda.schedule_mma(gemm, cfg, func=func, vector=vector)
     cfg = cuda.SIMT_CONFIGS["gemm"]
-    vector = load_granule(spec, 4)
+    # 16 bytes per load (4 floats, 2 doubles: a 4-wide double vector spilt to the stack).
+    vector = load_granule(spec, 2 if spec.dtype == "float64" else 4)
     func = conv2d_gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, granule=vector)
     return cuda.schedule_simt(gemm, cfg, func=func, vector=vector)
