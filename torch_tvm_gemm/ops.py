@@ -203,8 +203,10 @@ def gemm(
     activation: str = "none",
     static_k: bool = True,
     out: Tensor | None = None,
+    bias_axis: str = "n",
 ) -> Tensor:
-    """``act(a @ B + bias)`` for a 2-D ``a``; B is ``b`` (layout "kn") or ``b.T`` ("nk").
+    """``act(a @ B + bias)`` for a 2-D ``a``; B is ``b`` (layout "kn") or ``b.T`` ("nk"); the
+    bias is one per column (``bias_axis="n"``) or one per row ("m").
 
     Handles what the kernels do not: empty dims, non-contiguous inputs.
     """
@@ -215,7 +217,12 @@ def gemm(
     if m == 0 or n == 0:
         return out
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
-        zero = bias.expand(m, n) if bias is not None else torch.zeros_like(out)
+        row_bias = bias is not None and bias_axis == "m"
+        zero = (
+            (bias[:, None] if row_bias else bias).expand(m, n)
+            if bias is not None
+            else torch.zeros_like(out)
+        )
         return out.copy_(_ACT_FN[activation](zero))
     device = _device_name(a)
     cuda = device == "cuda"
@@ -230,6 +237,7 @@ def gemm(
         activation,
         gemm_variant(m, n, k),
         device,
+        bias_axis,
     )
     kernel = get_kernel(spec)
     args = [a.contiguous(), b.contiguous()]
@@ -392,7 +400,7 @@ torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_cont
 import weakref  # noqa: E402
 
 from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
-from .schedules.cpu_conv2d import weight_block  # noqa: E402
+from .schedules.cpu_conv2d import pointwise_as_gemm, weight_block  # noqa: E402
 
 LIB.define(
     "conv2d_bias_relu(Tensor x, Tensor weight, Tensor? bias, int[2] stride=1, "
@@ -511,6 +519,8 @@ def _conv2d_impl(
         relu=relu,
         device=_device_name(x),
     )
+    if spec.device == "cpu" and pointwise_as_gemm(spec):
+        return _pointwise_conv(x, weight, bias, relu, out)
     kernel = get_kernel(spec)
     sync_threads()
     kb = weight_block(spec)
@@ -519,6 +529,19 @@ def _conv2d_impl(
     if bias is not None:
         args.append(bias.contiguous())
     kernel(*[_aligned(t) for t in args], out)  # out: fresh, hence aligned
+    return out
+
+
+def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, out: Tensor):
+    """A 1x1 conv as one GEMM per image, ``out[n] = relu(W @ x[n] + bias[:, None])`` over
+    the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why)."""
+    n, c = x.shape[:2]
+    k = weight.shape[0]
+    w = weight.reshape(k, c)
+    pixels = x.contiguous().view(n, c, -1)
+    dest = out.view(n, k, -1)
+    for i in range(n):
+        gemm(w, pixels[i], "kn", bias, "relu" if relu else "none", out=dest[i], bias_axis="m")
     return out
 
 
