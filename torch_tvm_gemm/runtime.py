@@ -156,7 +156,8 @@ def _launch_on_torch_pool(path: os.PathLike) -> None:
     # The kernel library is already loaded: RTLD_NOLOAD hands back the same handle.
     lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
     if _has_symbol(lib, "__TVMBackendParallelBarrier") or not _has_symbol(
-        lib, "__TVMBackendParallelLaunch"  # a kernel without parallel loops
+        lib,
+        "__TVMBackendParallelLaunch",  # a kernel without parallel loops
     ):
         return
     slot = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
