@@ -408,6 +408,7 @@ LIB.define(
 )
 
 _CONV = "conv2d_bias_relu"
+_conv_spec = functools.lru_cache(maxsize=4096)(Conv2dSpec)  # one spec object per geometry
 
 
 def _pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
@@ -503,7 +504,7 @@ def _conv2d_impl(
         return out.copy_(torch.relu(zero) if relu else zero)
     n, c, h, w = x.shape
     k, _, r, s = weight.shape
-    spec = Conv2dSpec(
+    spec = _conv_spec(
         dtype=_DTYPE_NAMES[x.dtype],
         c=c,
         k=k,
