@@ -5,6 +5,8 @@ A kernel exported by TVM calls a few runtime services (its thread pool through
 3 MB library shipped inside the apache-tvm wheel beside the 259 MB compiler. We load that
 library alone (``RTLD_GLOBAL``, so that kernels resolve against it) and load kernels with
 ``tvm_ffi.load_module``: a process whose kernels are all cached never imports ``tvm``.
+Once a CPU kernel is loaded, its parallel launcher is pointed at torch's OpenMP pool (see
+``_launch_on_torch_pool`` and csrc/parallel_launch.cpp).
 """
 
 from __future__ import annotations
@@ -155,10 +157,8 @@ def _launch_on_torch_pool(path: os.PathLike) -> None:
         return
     # The kernel library is already loaded: RTLD_NOLOAD hands back the same handle.
     lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    if _has_symbol(lib, "__TVMBackendParallelBarrier") or not _has_symbol(
-        lib,
-        "__TVMBackendParallelLaunch",  # a kernel without parallel loops
-    ):
+    barrier = _has_symbol(lib, "__TVMBackendParallelBarrier")
+    if barrier or not _has_symbol(lib, "__TVMBackendParallelLaunch"):  # no parallel loop
         return
     slot = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
     slot.value = _torch_pool_launcher(ext)
