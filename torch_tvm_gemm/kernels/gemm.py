@@ -28,6 +28,9 @@ class GemmSpec:
     activation: str = "none"
     variant: str = "gemm"  # schedule family: "gemm" (packed B, any M) or "gemv" (small M)
     device: str = "cpu"
+    # CUDA fp32 only: multiply on tensor cores with TF32 inputs (10-bit mantissa, fp32 sums),
+    # chosen per call by torch.backends.cuda.matmul.allow_tf32 (see ops.py).
+    tf32: bool = False
 
     family = "gemm"
 
@@ -37,20 +40,26 @@ class GemmSpec:
             raise ValueError(f"bad GemmSpec {self}")
         if self.b_layout not in ("kn", "nk"):
             raise ValueError(f"bad GemmSpec {self}")
+        if self.tf32 and (self.dtype != "float32" or self.device != "cuda"):
+            raise ValueError(f"bad GemmSpec {self}: TF32 is for float32 CUDA kernels")
 
     @property
     def acc_dtype(self) -> str:
         return "float64" if self.dtype == "float64" else "float32"
 
     def key(self) -> dict:
-        return {"family": self.family, **asdict(self)}
+        key = {"family": self.family, **asdict(self)}
+        if not self.tf32:  # absent when off: the keys of existing cached kernels stay valid
+            del key["tf32"]
+        return key
 
     def name(self) -> str:
         k = "K" if self.k is None else self.k
         epi = ("_bias" if self.bias else "") + (
             "" if self.activation == "none" else "_" + self.activation
         )
-        return f"gemm_{self.variant}_{self.dtype}_{self.b_layout}_n{self.n}_k{k}{epi}"
+        tf32 = "_tf32" if self.tf32 else ""
+        return f"gemm_{self.variant}_{self.dtype}{tf32}_{self.b_layout}_n{self.n}_k{k}{epi}"
 
 
 def apply_activation(x, activation: str, dtype: str):
