@@ -179,9 +179,9 @@ CUDA_MIN_CAPABILITY = (7, 0)
 _INT32_MAX = 2**31 - 1
 
 
-def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> None:
+def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> tuple[int, int]:
     """What the CUDA kernels need beyond the shared checks: a Volta or newer GPU and sizes
-    that 32-bit indices address (the kernels index in int32)."""
+    that 32-bit indices address (the kernels index in int32). Returns the capability."""
     major, minor = torch.cuda.get_device_capability(a.device)
     if (major, minor) < CUDA_MIN_CAPABILITY:
         raise RuntimeError(
@@ -193,6 +193,27 @@ def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> None:
             f"tvm_gemm: CUDA kernels index in 32 bits; a ({m}x{k}) @ ({k}x{n}) problem has an "
             "operand of 2**31 elements or more (split it)"
         )
+    return major, minor
+
+
+TF32_MIN_CAPABILITY = (8, 0)  # mma.sync with .tf32 operands: Ampere and newer
+
+
+def _use_tf32(a: Tensor) -> bool:
+    """Whether an fp32 product on ``a``'s GPU runs on tensor cores with TF32 inputs now."""
+    return torch.cuda.get_device_capability(a.device) >= TF32_MIN_CAPABILITY and tf32_allowed()
+
+
+def tf32_allowed() -> bool:
+    """Whether fp32 GEMMs may use TF32 now, as torch decides for its own matmuls:
+    ``torch.backends.cuda.matmul.allow_tf32`` (read at every call, so toggling it switches
+    kernels). Torch raises on reading it after the newer ``fp32_precision`` API was used;
+    that setting then says the same."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return getattr(matmul, "fp32_precision", "ieee") == "tf32"
 
 
 def gemm(
@@ -238,20 +259,22 @@ def gemm(
         gemm_variant(m, n, k),
         device,
         bias_axis,
+        cuda and a.dtype == torch.float32 and _use_tf32(a),
     )
-    kernel = get_kernel(spec)
     args = [a.contiguous(), b.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
     args = [_aligned(t) for t in args]
     dest = _aligned(out, copy=False)
     if a.is_cuda:
-        # tvm_ffi launches on torch's current stream of the tensors' device (it asks torch
-        # through DLPack); the kernel sets the CUDA device of its arguments, so keep torch's
-        # current device as the caller had it.
+        # The tensors' GPU is the current device while the kernel is looked up (its arch
+        # picks the schedule: WMMA on sm_70/75, mma.sync on sm_80+; see runtime.get_kernel)
+        # and launched: tvm_ffi launches on torch's current stream of that device (it asks
+        # torch through DLPack). The caller's current device is restored afterwards.
         with torch.cuda.device(a.device):
-            kernel(*args, dest)
+            get_kernel(spec)(*args, dest)
     else:
+        kernel = get_kernel(spec)
         sync_threads()
         kernel(*args, dest)
     if dest is not out:

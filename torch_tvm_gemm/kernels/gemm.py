@@ -30,6 +30,9 @@ class GemmSpec:
     variant: str = "gemm"  # schedule family: "gemm" (packed B, any M) or "gemv" (small M)
     device: str = "cpu"
     bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)
+    # CUDA fp32 only: multiply on tensor cores with TF32 inputs (10-bit mantissa, fp32 sums),
+    # chosen per call by torch.backends.cuda.matmul.allow_tf32 (see ops.py).
+    tf32: bool = False
 
     family = "gemm"
 
@@ -39,13 +42,21 @@ class GemmSpec:
             raise ValueError(f"bad GemmSpec {self}")
         if self.b_layout not in ("kn", "nk") or self.bias_axis not in ("n", "m"):
             raise ValueError(f"bad GemmSpec {self}")
+        if self.tf32 and (self.dtype != "float32" or self.device != "cuda"):
+            raise ValueError(f"bad GemmSpec {self}: TF32 is for float32 CUDA kernels")
 
     @property
     def acc_dtype(self) -> str:
         return "float64" if self.dtype == "float64" else "float32"
 
     def key(self) -> dict:
-        return {"family": self.family, **asdict(self)}
+        key = {"family": self.family, **asdict(self)}
+        # Fields added later are absent at their defaults: existing cached kernels stay valid.
+        if not self.tf32:
+            del key["tf32"]
+        if self.bias_axis == "n":
+            del key["bias_axis"]
+        return key
 
     def name(self) -> str:
         k = "K" if self.k is None else self.k
@@ -54,7 +65,8 @@ class GemmSpec:
         )
         if self.bias and self.bias_axis == "m":
             epi = epi.replace("_bias", "_rowbias")
-        return f"gemm_{self.variant}_{self.dtype}_{self.b_layout}_n{self.n}_k{k}{epi}"
+        tf32 = "_tf32" if self.tf32 else ""
+        return f"gemm_{self.variant}_{self.dtype}{tf32}_{self.b_layout}_n{self.n}_k{k}{epi}"
 
 
 def apply_activation(x, activation: str, dtype: str):
