@@ -48,6 +48,32 @@ def test_matches_torch(case, dtype):
     assert_close(y, reference(x, wt, b, stride, padding, dilation, groups), k=c * r * r)
 
 
+# 1x1 convs that run as a GEMM per image (schedules/cpu_conv2d.pointwise_as_gemm): C <= 64 and
+# at least 1024 pixels. 3 channels x 33x33 pixels puts image 1 at a 13068-byte offset, off the
+# kernels' 64-byte alignment; K=5 is not a multiple of the 6-row register tile.
+POINTWISE = [(2, 3, 33, 33, 5), (1, 64, 32, 40, 70), (3, 16, 36, 30, 24)]
+
+
+@pytest.mark.parametrize("case", POINTWISE, ids=lambda c: "n{}c{}{}x{}k{}".format(*c))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias, relu", [(True, True), (False, False)])
+def test_pointwise_as_gemm(case, dtype, with_bias, relu):
+    from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
+    from torch_tvm_gemm.schedules.cpu_conv2d import pointwise_as_gemm
+
+    n, c, h, w, k = case
+    assert pointwise_as_gemm(Conv2dSpec("float32", c, k, 1, 1, h, w))
+    x, wt = randn(n, c, h, w, dtype=dtype), randn(k, c, 1, 1, dtype=dtype)
+    b = randn(k, dtype=dtype) if with_bias else None
+    y = tg.conv2d_bias_relu(x, wt, b, relu=relu)
+    assert y.dtype == dtype and y.is_contiguous()
+    assert_close(y, reference(x, wt, b, relu=relu), k=c)
+    # channels_last input, a non-contiguous weight view: the same numbers
+    x_cl = x.to(memory_format=torch.channels_last)
+    wt_t = wt.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(tg.conv2d_bias_relu(x_cl, wt_t, b, relu=relu), y)
+
+
 @pytest.mark.parametrize(
     "groups, c, k",
     [(2, 32, 64), (8, 8, 8), (3, 6, 9), (4, 8, 16)],

@@ -1,8 +1,10 @@
-"""CUDA kernels without a GPU: cross-compiled with nvcc for sm_80 and sm_90, SASS checked.
+"""CUDA kernels without a GPU: cross-compiled with nvcc for sm_80 and sm_90 (and sm_75 /
+sm_70 for the WMMA schedule), SASS checked.
 
 Skipped only when nvcc is missing (SASS checks also need cuobjdump: the pip packages
-nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm). One small pack is built per session, through
-the ``compile`` CLI; each test then inspects the libraries it wrote.
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm; sm_70 needs a CUDA 12 nvcc: CUDA 13 dropped
+Volta). Two small packs are built per session, through the ``compile`` CLI; each test then
+inspects the libraries they wrote.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch_tvm_gemm.cuda_pack import NvccNotFoundError
 
 ARCHES = ("sm_80", "sm_90")
 # Per-block shared memory a kernel may use (opt-in maximum), per arch.
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+SMEM_LIMIT = {"sm_70": 96 * 1024, "sm_75": 64 * 1024, "sm_80": 163 * 1024, "sm_90": 227 * 1024}
 # Spec strings of the ``compile`` CLI: tensor-core kernels in both dtypes and layouts, with
 # each epilogue, an odd K (narrow loads, K padded) and SIMT fp32 kernels.
 OPS = [
@@ -35,7 +37,25 @@ OPS = [
     "linear:float16:64:33:bias",
     "matmul:float32:96:72",
     "linear:float32:64:40:bias+gelu",
+    "matmul:tf32:96:72",  # fp32 tensors on tensor cores (allow_tf32)
+    "linear:tf32:200:136:bias+relu",
 ]
+# Turing and Ampere in one pack: fp16 gets WMMA on sm_75 and mma.sync on sm_80 (one library
+# each), bf16 SIMT on sm_75 (no bf16 tensor cores there).
+OLD_ARCHES = ("sm_75", "sm_80")
+OLD_OPS = [
+    "matmul:float16:96:72",
+    "linear:float16:200:136:bias+gelu",
+    "linear:bfloat16:64:40:bias+relu",
+]
+# The SASS of each tensor-core schedule (nvdisasm's names: m16n8k16 -> 16816, m16n8k8 ->
+# 1688; WMMA's 16x16x16 becomes HMMA.1688 on Turing, HMMA.884 steps on Volta).
+HMMA = {
+    "mma": r"HMMA\.16816\.F32",
+    "tf32": r"HMMA\.1688\.F32\.TF32",
+    ("wmma", "sm_75"): r"HMMA\.1688\.F32",
+    ("wmma", "sm_70"): r"HMMA\.884\.F32\.F32",
+}
 
 
 def _have_nvcc() -> bool:
@@ -44,6 +64,10 @@ def _have_nvcc() -> bool:
     except NvccNotFoundError:
         return False
     return True
+
+
+def _nvcc_has(arch: str) -> bool:
+    return _have_nvcc() and arch in cuda_pack.nvcc_arches(cuda_pack.find_nvcc())
 
 
 needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
@@ -63,7 +87,26 @@ def pack(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def old_pack(tmp_path_factory) -> Path:
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path_factory.mktemp("cuda_pack_sm75")
+    argv = ["compile", "--target", "cuda", "--arch", ",".join(OLD_ARCHES), "--out", str(out)]
+    assert main([*argv, "--ops", *OLD_OPS]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def kernels(pack) -> list[dict]:
+    return _entries(pack)
+
+
+@pytest.fixture(scope="session")
+def old_kernels(old_pack) -> list[dict]:
+    return _entries(old_pack)
+
+
+def _entries(pack: Path) -> list[dict]:
     """Manifest entries, each with its spec and the SASS / resource usage per arch."""
     manifest = json.loads((pack / "manifest.json").read_text())
     entries = []
@@ -99,8 +142,27 @@ def _resource_usage(fatbin: bytes) -> dict[str, dict[str, int]]:
     return usage
 
 
-def _uses_mma(spec) -> bool:
-    return spec.dtype in ("float16", "bfloat16")
+def _check_sass(entry) -> None:
+    """Tensor-core instructions of the entry's schedule (FFMA only for SIMT), no spills."""
+    from torch_tvm_gemm.schedules.cuda import schedule_kind
+
+    spec, sass = entry["spec"], entry["sass"]
+    assert sorted(sass) == entry["arches"], entry["name"]
+    for arch, text in sass.items():
+        where = f"{entry['name']} {arch}"
+        kind = schedule_kind(spec, arch)
+        assert kind == entry.get("schedule", kind), where
+        if kind == "simt":
+            assert "HMMA" not in text and "FFMA" in text, where
+        else:
+            assert re.search(HMMA.get(kind) or HMMA[kind, arch], text), where
+            aligned = spec.k % 8 == 0 and spec.n % 8 == 0
+            if kind == "mma":
+                assert "LDSM" in text, where  # ldmatrix
+            # cp.async (LDGSTS) on sm_80+ only: WMMA's copies are plain loads and stores.
+            assert ("LDGSTS" in text) == (kind != "wmma" and aligned), where
+        # No local memory at all (so none in the main loop): no spills, no stack arrays.
+        assert not re.search(r"\b(LDL|STL)\b", text), where
 
 
 # --- no nvcc needed ---------------------------------------------------------------------------
@@ -194,33 +256,143 @@ def test_every_kernel_built_for_both_arches(kernels):
 @needs_cuobjdump
 def test_sass_per_arch_tensor_cores_and_no_spills(kernels):
     for entry in kernels:
-        spec, sass = entry["spec"], entry["sass"]
-        assert sorted(sass) == list(ARCHES), entry["name"]
-        for arch, text in sass.items():
-            where = f"{entry['name']} {arch}"
-            if _uses_mma(spec):
-                assert re.search(r"HMMA\.16816\.F32", text), where
-                assert "LDSM" in text, where  # ldmatrix
-                if spec.k % 8 == 0 and spec.n % 8 == 0:
-                    assert "LDGSTS" in text, where  # cp.async
-            else:
-                assert "HMMA" not in text and "FFMA" in text, where
-            # No local memory at all (so none in the main loop): no spills, no stack arrays.
-            assert not re.search(r"\b(LDL|STL)\b", text), where
+        assert entry["arches"] == list(ARCHES)
+        _check_sass(entry)
+    assert {e["schedule"] for e in kernels} == {"mma", "tf32", "simt"}
+
+
+@needs_nvcc
+def test_one_library_per_schedule_in_a_mixed_pack(old_kernels):
+    """sm_75 and sm_80 in one pack: each spec has one library per schedule, never a source
+    generated for one arch compiled for the other."""
+    by_spec: dict = {}
+    for entry in old_kernels:
+        by_spec.setdefault(entry["spec"], {})[entry["schedule"]] = entry["arches"]
+    assert len(by_spec) == 2 * len(OLD_OPS)
+    for spec, groups in by_spec.items():
+        old = "wmma" if spec.dtype == "float16" else "simt"
+        assert groups == {old: ["sm_75"], "mma": ["sm_80"]}, spec
 
 
 @needs_nvcc
 @needs_cuobjdump
-def test_registers_and_shared_memory_fit_the_launch(kernels):
+def test_wmma_sass_on_turing(old_kernels):
+    for entry in old_kernels:
+        _check_sass(entry)
+        if entry["schedule"] == "wmma":  # m16n8k16 (sm_80's mma.sync) must not be there
+            assert "HMMA.16816" not in entry["sass"]["sm_75"], entry["name"]
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.skipif(not _nvcc_has("sm_70"), reason="this nvcc has no sm_70 (CUDA 13 dropped it)")
+def test_wmma_sass_on_volta(tmp_path):
+    from torch_tvm_gemm.cli.compile import parse_op
+
+    for spec in parse_op("linear:float16:200:136:bias+gelu", ["gemm", "gemv"]):
+        (entry,) = cuda_pack.build_kernels(spec, ["sm_70"], tmp_path)
+        assert entry["schedule"] == "wmma"
+        fatbin = cuda_pack.fatbin_from_library(tmp_path / entry["file"])
+        _check_sass(dict(entry, spec=spec, sass=cuda_pack.sass_by_arch(fatbin)))
+
+
+def test_sm70_with_cuda13_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    from torch_tvm_gemm.__main__ import main
+
+    monkeypatch.setattr(cuda_pack, "find_nvcc", lambda: "/opt/cuda-13/bin/nvcc")
+    known = frozenset({"sm_75", "sm_80", "sm_90"})  # what CUDA 13's nvcc lists (in part)
+    monkeypatch.setattr(cuda_pack, "nvcc_arches", lambda nvcc: known)
+    argv = ["compile", "--arch", "sm_70,sm_80", "--ops", "matmul:float16:8:8"]
+    with pytest.raises(SystemExit, match="cannot compile for sm_70.*CUDA 12 nvcc"):
+        main([*argv, "--out", str(tmp_path)])
+    cuda_pack.check_nvcc_arches(["sm_80", "sm_90a"])  # arch-specific variants are known
+
+
+def test_schedule_by_arch_and_dtype():
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.schedules.cuda import pass_config, schedule_kind
+
+    def kind(dtype, arch, tf32=False):
+        spec = GemmSpec(dtype, 64, 64, "nk", device="cuda", tf32=tf32)
+        return schedule_kind(spec, arch)
+
+    assert [kind("float16", a) for a in ("sm_70", "sm_75", "sm_80", "sm_90")] == [
+        "wmma",
+        "wmma",
+        "mma",
+        "mma",
+    ]
+    assert [kind("bfloat16", a) for a in ("sm_70", "sm_75", "sm_80")] == ["simt", "simt", "mma"]
+    assert [kind("float32", a) for a in ("sm_75", "sm_90")] == ["simt", "simt"]
+    assert [kind("float32", a, tf32=True) for a in ("sm_75", "sm_80", "sm_90")] == [
+        "simt",
+        "tf32",
+        "tf32",
+    ]
+    spec = GemmSpec("float16", 64, 64, "nk", device="cuda")
+    assert not pass_config(spec, "sm_75")["tirx.use_async_copy"]  # no cp.async before sm_80
+    assert pass_config(spec, "sm_80")["tirx.use_async_copy"]
+
+
+def test_tf32_is_its_own_kernel(monkeypatch):
+    """The TF32 and exact fp32 kernels never share a cache entry; keys of kernels without
+    TF32 are what they were before the field existed."""
+    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+
+    exact = GemmSpec("float32", 64, 32, "nk", device="cuda")
+    tf32 = GemmSpec("float32", 64, 32, "nk", device="cuda", tf32=True)
+    assert "tf32" not in exact.key() and tf32.key()["tf32"] is True
+    assert exact.name() != tf32.name()
+    assert cuda_pack.spec_from_key(tf32.key()) == tf32
+    assert cuda_pack.spec_from_key(exact.key()) == exact
+    monkeypatch.setattr(cache, "device_key", lambda device: "cuda-sm_80")  # no GPU here
+    assert cache.kernel_path(exact) != cache.kernel_path(tf32)
+    for bad in (("float16", "cuda"), ("float32", "cpu")):
+        with pytest.raises(ValueError, match="TF32"):
+            GemmSpec(bad[0], 64, 32, "nk", device=bad[1], tf32=True)
+
+
+def test_allow_tf32_flag_picks_the_kernel():
+    """ops.gemm reads torch.backends.cuda.matmul.allow_tf32 at every call (here through the
+    recorder that pretends to be on an sm_80+ GPU)."""
+    from torch_tvm_gemm.cuda_cases import TF32_CASES, record_specs
+
+    exact = record_specs(TF32_CASES[:2])
+    fast = record_specs(TF32_CASES[:2], tf32=True)
+    assert not any(s.tf32 for s in exact) and all(s.tf32 for s in fast)
+    assert [s.dtype for s in fast] == ["float32"] * len(fast)
+
+
+def test_tf32_allowed_follows_torch():
+    import torch
+
+    from torch_tvm_gemm.ops import tf32_allowed
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        assert tf32_allowed()
+        matmul.allow_tf32 = False
+        assert not tf32_allowed()
+    finally:
+        matmul.allow_tf32 = saved
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_registers_and_shared_memory_fit_the_launch(kernels, old_kernels):
     from torch_tvm_gemm.schedules.cuda import launch_config
 
-    for entry in kernels:
+    for entry in kernels + old_kernels:
         for arch, usage in entry["usage"].items():
             launch = launch_config(entry["spec"], arch)
             where = f"{entry['name']} {arch}: {usage} {launch}"
             assert usage["REG"] <= 255 and usage["REG"] * launch["threads"] <= 65536, where
             assert usage["STACK"] == 0 and usage["LOCAL"] == 0, where
             assert usage["SHARED"] + launch["smem_bytes"] <= SMEM_LIMIT[arch], where
+            assert launch["schedule"] == entry["schedule"], where
 
 
 @needs_nvcc
@@ -348,11 +520,13 @@ def test_conv_kernels_built_for_both_arches(conv_kernels):
 @needs_nvcc
 @needs_cuobjdump
 def test_conv_sass_tensor_cores_and_no_spills(conv_kernels):
+    from torch_tvm_gemm.schedules.cuda_conv2d import uses_tensor_cores
+
     for entry in conv_kernels:
         spec = entry["spec"]
         for arch, text in entry["sass"].items():
             where = f"{entry['name']} {arch}"
-            if _uses_mma(spec):
+            if uses_tensor_cores(spec, arch):
                 assert re.search(r"HMMA\.16816\.F32", text), where
                 assert "LDSM" in text, where
                 if spec.c % 8 == 0 and spec.k % 8 == 0:  # 16-byte gathers: cp.async

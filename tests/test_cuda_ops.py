@@ -19,11 +19,16 @@ from torch_tvm_gemm.cuda_cases import (
     CONV_TEST_CASES,
     GRAD_CASES,
     TEST_CASES,
+    TF32_CASES,
     Case,
     ConvCase,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_tf32 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="TF32 tensor cores need sm_80+",
+)
 
 
 def _tol(case: Case) -> dict:
@@ -101,6 +106,64 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     _check(case, out, (new_x, *args[1:]))
+
+
+@pytest.fixture
+def allow_tf32():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    yield
+    matmul.allow_tf32 = saved
+
+
+def _exact(case: Case, args) -> torch.Tensor:
+    """The reference in float64 (torch's own fp32 matmul would use TF32 too, when allowed)."""
+    wide = [a.double() if torch.is_tensor(a) else a for a in args]
+    return dataclasses.replace(case, dtype=torch.float64).reference(*wide)
+
+
+def _tf32_tol(case: Case) -> dict:
+    # TF32 keeps 10 mantissa bits and the tensor core truncates the rest: each product is
+    # off by up to ~2**-9 relative; the fp32 sums add errors of random sign (~sqrt(K)).
+    eps = 2**-10
+    return {"rtol": 4 * eps, "atol": eps * case.k**0.5}
+
+
+@needs_tf32
+@pytest.mark.parametrize("case", TF32_CASES, ids=lambda c: f"{c.op}-{c.m}x{c.n}x{c.k}")
+def test_tf32_numerics(case, allow_tf32):
+    args = case.inputs("cuda")
+    out = case.run(*args)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _exact(case, args), **_tf32_tol(case))
+
+
+@needs_tf32
+def test_allow_tf32_switches_kernels(monkeypatch):
+    """The flag is read at every call: off -> the exact fp32 kernel, on -> the TF32 one."""
+    from torch_tvm_gemm import ops
+
+    case = TF32_CASES[3]  # linear 129x200x136, bias + relu
+    args = case.inputs("cuda")
+    specs = []
+    real = ops.get_kernel
+    monkeypatch.setattr(ops, "get_kernel", lambda spec: specs.append(spec) or real(spec))
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    try:
+        outs = []
+        for flag in (False, True, False):
+            matmul.allow_tf32 = flag
+            outs.append(case.run(*args))
+    finally:
+        matmul.allow_tf32 = saved
+    assert [s.tf32 for s in specs] == [False, True, False]
+    exact = _exact(case, args)
+    err = [(out.double() - exact).abs().max().item() for out in outs]
+    assert err[0] < 1e-4 and torch.equal(outs[0], outs[2]), err
+    assert err[1] > 10 * err[0], err  # the TF32 kernel really rounds its inputs
+    torch.testing.assert_close(outs[1].double(), exact, **_tf32_tol(case))
 
 
 def test_cpu_cuda_mix_is_rejected():

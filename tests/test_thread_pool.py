@@ -8,11 +8,10 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_close, randn
 
 import torch_tvm_gemm as tg
 from torch_tvm_gemm import _ext, cache, runtime
-
-from conftest import assert_close, randn
 
 needs_ext = pytest.mark.skipif(_ext.load() is None, reason="C++ extension not built")
 
@@ -56,7 +55,7 @@ def test_results_do_not_depend_on_thread_count():
     finally:
         torch.set_num_threads(saved)
     for other in results[1:]:
-        for got, want in zip(other, results[0]):
+        for got, want in zip(other, results[0], strict=True):
             assert torch.equal(got, want)
     a, b = randn(96, 200, seed=1), randn(200, 130, seed=2)
     assert_close(results[0][0], a.double() @ b.double(), k=200)
@@ -85,5 +84,5 @@ def test_tvm_pool_opt_out_gives_the_same_results(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "['tvm']"
-    for got, want in zip(torch.load(out), _ops_outputs()):
+    for got, want in zip(torch.load(out), _ops_outputs(), strict=True):
         assert torch.equal(got, want)

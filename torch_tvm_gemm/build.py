@@ -26,10 +26,11 @@ SCHEDULE_VERSIONS: dict[str, str] = {
     "cuda": "torch_tvm_gemm.schedules.cuda:SCHEDULE_VERSION",
 }
 
-# TVM pass options per device. CUDA: cp.async for the global->shared copies; no TIR CSE,
-# which hides the lane index from the warp-memory lowering (nvcc does its own CSE).
-PASS_CONFIGS: dict[str, dict] = {
-    "cuda": {"tirx.use_async_copy": True, "tirx.disable_cse_tir": True},
+# TVM pass options per (family, device): "module:function" taking (spec, arch) (CUDA's
+# depend on the schedule: cp.async only on sm_80+).
+PASS_CONFIGS: dict[tuple[str, str], str] = {
+    ("gemm", "cuda"): "torch_tvm_gemm.schedules.cuda:pass_config",
+    ("conv2d", "cuda"): "torch_tvm_gemm.schedules.cuda_conv2d:pass_config",
 }
 
 
@@ -100,7 +101,9 @@ def compile_spec(
     start = time.perf_counter()
     target = target_json(spec.device, arch) if spec.device == "cuda" else target_json("cpu")
     mod = lower(spec, target, use_tuned)
-    config = PASS_CONFIGS.get(spec.device)
+    config = None
+    if (spec.family, spec.device) in PASS_CONFIGS:
+        config = _resolve(PASS_CONFIGS[(spec.family, spec.device)])(spec, target["arch"])
     with tvm.transform.PassContext(config=config) if config else contextlib.nullcontext():
         executable = tvm.compile(mod, target=tvm.target.Target(target))
     if spec.device == "cuda":

@@ -129,6 +129,9 @@ TEST_CASES = [
         ("linear", 300, 256, 1000, False, "none"),  # K padded to the K tile
     ]
 ]
+# TF32 (fp32 inputs on tensor cores, torch.backends.cuda.matmul.allow_tf32 = True): the fp32
+# shapes above.
+TF32_CASES = [case for case in TEST_CASES if case.dtype == torch.float32]
 # Autograd / opcheck / torch.compile / CUDA graph: a few of the above, with backward.
 GRAD_CASES = [
     Case("matmul", torch.bfloat16, 33, 64, 48),
@@ -175,8 +178,9 @@ BENCH_CASES = [
 
 
 @contextlib.contextmanager
-def _recording(found: list):
-    """Route ops.gemm's kernel lookups to a recorder that pretends to be on CUDA."""
+def _recording(found: list, tf32: bool = False):
+    """Route ops.gemm's kernel lookups to a recorder that pretends to be on CUDA (an sm_80+
+    GPU, with TF32 allowed for fp32 products if ``tf32``)."""
     from . import ops
 
     def fake_kernel(*args):
@@ -186,25 +190,26 @@ def _recording(found: list):
         found.append(spec)
         return fake_kernel
 
-    saved = ops.get_kernel, ops._device_name
+    saved = ops.get_kernel, ops._device_name, ops._use_tf32
     # The patches act on the Python impls (ops.gemm); the C++ ones would bypass them, and keep
     # the fake kernel in their table.
     path = ops.use_impl("python")
-    ops.get_kernel, ops._device_name = record, lambda t: "cuda"
+    ops.get_kernel, ops._device_name, ops._use_tf32 = record, lambda t: "cuda", lambda t: tf32
     try:
         yield
     finally:
-        ops.get_kernel, ops._device_name = saved
+        ops.get_kernel, ops._device_name, ops._use_tf32 = saved
         ops.use_impl(path)
 
 
-def record_specs(cases, backward: bool = False) -> list:
-    """The kernel specs a GPU run of ``cases`` (and their backward) would ask for.
+def record_specs(cases, backward: bool = False, tf32: bool = False) -> list:
+    """The kernel specs a GPU run of ``cases`` (and their backward) would ask for, with
+    ``torch.backends.cuda.matmul.allow_tf32`` = ``tf32``.
 
     A conv case asks for its forward kernel only (its backward runs in PyTorch).
     """
     found: list = []
-    with _recording(found):
+    with _recording(found, tf32):
         for case in cases:
             if isinstance(case, ConvCase):
                 found.append(case.spec())
@@ -223,7 +228,7 @@ def record_specs(cases, backward: bool = False) -> list:
 def pack_specs(preset: str) -> list:
     """Specs of a named preset: "test" (GPU tests) or "bench" (benchmark), or "all"."""
     if preset == "test":
-        specs = record_specs(TEST_CASES + CONV_TEST_CASES)
+        specs = record_specs(TEST_CASES + CONV_TEST_CASES) + record_specs(TF32_CASES, tf32=True)
         grads = record_specs(GRAD_CASES + CONV_GRAD_CASES, backward=True)
         return specs + [s for s in grads if s not in specs]
     if preset == "bench":

@@ -12,11 +12,14 @@ with ``tvm_ffi`` + ``libtvm_runtime.so`` + ``libtvm_runtime_cuda.so`` alone.
 
 A *pack* is a folder of such libraries plus ``manifest.json`` (spec key, file, SHA-256 and
 arches of each kernel), built by ``python -m torch_tvm_gemm compile``; a GPU process loads
-it with ``load_pack(path)`` or the ``TVM_GEMM_PACK`` environment variable.
+it with ``load_pack(path)`` or the ``TVM_GEMM_PACK`` environment variable. The schedule of a
+kernel depends on the arch (``schedules.cuda.schedule_kind``: WMMA on sm_70/75, mma.sync on
+sm_80+, ...), so a spec gets one library per group of arches that share a schedule.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,9 +32,14 @@ from pathlib import Path
 from typing import Any
 
 ENV_PACK = "TVM_GEMM_PACK"  # pack folders (os.pathsep separated) a GPU process loads
-PACK_FORMAT = 1
+PACK_FORMAT = 2  # 2: a spec may have several entries (one per schedule), told apart by arches
+READABLE_PACK_FORMATS = (1, 2)
 DEFAULT_ARCHES = ("sm_80", "sm_90")
 DEFAULT_CUDA_ROOTS = ("/usr/local/cuda",)
+# -maxrregcount=255: the register limit is the kernel's __launch_bounds__ alone. Without an
+# explicit limit ptxas 13 applies an occupancy heuristic on sm_75 that capped a WMMA kernel
+# (linear fp16 + GELU) at 64 registers and spilled; with it: 72 registers, no spill.
+NVCC_FLAGS = ("-O3", "-std=c++17", "-maxrregcount=255")
 NVCC_HELP = (
     "torch_tvm_gemm: building CUDA kernels needs nvcc (CUDA 12 or newer), which was not "
     "found on PATH or in $CUDA_HOME/bin. Install the CUDA toolkit "
@@ -44,6 +52,10 @@ NVCC_HELP = (
 
 class NvccNotFoundError(RuntimeError):
     """No nvcc on this machine (the message says how to get one)."""
+
+
+class NvccArchError(RuntimeError):
+    """The nvcc found cannot compile for a requested arch (e.g. sm_70 with CUDA 13)."""
 
 
 # --- nvcc ---------------------------------------------------------------------------------------
@@ -79,13 +91,42 @@ def normalize_arches(arches) -> list[str]:
     return sorted(out, key=lambda a: (int(a[3:].rstrip("a")), a))
 
 
+@functools.cache
+def nvcc_arches(nvcc: str) -> frozenset[str]:
+    """The real archs (``sm_XY``) this nvcc compiles for (``nvcc --list-gpu-code``)."""
+    proc = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True)
+    return frozenset(proc.stdout.split()) if proc.returncode == 0 else frozenset()
+
+
+def check_nvcc_arches(arches) -> None:
+    """Raise a clear error for an arch the nvcc found cannot compile for (CUDA 13 dropped
+    Volta: its nvcc has no sm_70; a CUDA 12 toolkit does)."""
+    nvcc = find_nvcc()
+    known = nvcc_arches(nvcc)
+    # (the list names base archs only: sm_90a is sm_90's arch-specific variant)
+    missing = [a for a in normalize_arches(arches) if known and a.rstrip("af") not in known]
+    if missing:
+        volta = any(a.startswith("sm_7") and a < "sm_75" for a in missing)
+        hint = (
+            "CUDA 13 dropped sm_70 (Volta): build those kernels with a CUDA 12 nvcc (put it "
+            "first on PATH)"
+            if volta
+            else "use a newer CUDA toolkit"
+        )
+        raise NvccArchError(
+            f"torch_tvm_gemm: {nvcc} cannot compile for {', '.join(missing)} (it knows "
+            f"{' '.join(sorted(known))}); {hint}"
+        )
+
+
 def nvcc_fatbin(source: str, arches, extra: tuple[str, ...] = ()) -> bytes:
     """Compile CUDA C++ to a fatbin holding SASS for each arch (no PTX: no JIT at load)."""
     nvcc = find_nvcc()
+    check_nvcc_arches(arches)
     with tempfile.TemporaryDirectory(prefix="tvm_gemm_nvcc_") as tmp:
         src, out = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.fatbin")
         Path(src).write_text(source)
-        cmd = [nvcc, "-fatbin", "-O3", "-std=c++17", "-o", out, src, *extra]
+        cmd = [nvcc, "-fatbin", *NVCC_FLAGS, "-o", out, src, *extra]
         for arch in normalize_arches(arches):
             cmd += ["-gencode", f"arch=compute_{arch[3:]},code={arch}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -102,7 +143,7 @@ def ptxas_info(source: str, arch: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="tvm_gemm_nvcc_") as tmp:
         src = os.path.join(tmp, "kernel.cu")
         Path(src).write_text(source)
-        cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v"]
+        cmd = [nvcc, "-cubin", *NVCC_FLAGS, f"-arch={arch}", "-Xptxas", "-v"]
         proc = subprocess.run(
             [*cmd, "-o", os.path.join(tmp, "k.cubin"), src], capture_output=True, text=True
         )
@@ -254,36 +295,62 @@ def spec_from_key(key: dict):
     return GemmSpec(**fields)
 
 
-def build_kernel(spec, arches, out_dir: str | os.PathLike) -> dict:
-    """Compile one CUDA kernel for ``arches`` into ``out_dir``; its manifest entry."""
+def schedule_groups(spec, arches) -> dict[str, list[str]]:
+    """``arches`` grouped by the schedule ``spec`` gets there: {kind: [arch, ...]}.
+
+    TVM generates the source for the first arch of a group and nvcc compiles it for all of
+    them; arches of different schedules must not share a source (sm_80's mma.sync does not
+    exist on sm_75, and sm_75's WMMA source would run on sm_80 slower than mma.sync).
+    """
+    from .schedules import cuda, cuda_conv2d
+
+    schedule_kind = cuda_conv2d.schedule_kind if spec.family == "conv2d" else cuda.schedule_kind
+    groups: dict[str, list[str]] = {}
+    for arch in normalize_arches(arches):
+        groups.setdefault(schedule_kind(spec, arch), []).append(arch)
+    return groups
+
+
+def build_kernels(spec, arches, out_dir: str | os.PathLike) -> list[dict]:
+    """Compile one CUDA kernel into ``out_dir``, one library per schedule group of
+    ``arches``; their manifest entries."""
     from . import build
 
-    arches = normalize_arches(arches)
-    executable, seconds = build.compile_spec(spec, arch=arches[0], arches=arches)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{spec.name()}.so"
-    info = executable.export_library(path)
-    return {
-        "key": spec.key(),
-        "name": spec.name(),
-        "file": path.name,
-        "sha256": _sha256(path),
-        "arches": info["arches"],
-        "build_seconds": round(seconds, 2),
-    }
+    entries = []
+    for kind, group in schedule_groups(spec, arches).items():
+        executable, seconds = build.compile_spec(spec, arch=group[0], arches=group)
+        path = out / f"{spec.name()}-{kind}.so"
+        info = executable.export_library(path)
+        entries.append(
+            {
+                "key": spec.key(),
+                "name": spec.name(),
+                "file": path.name,
+                "sha256": _sha256(path),
+                "arches": info["arches"],
+                "schedule": kind,
+                "build_seconds": round(seconds, 2),
+            }
+        )
+    return entries
 
 
 def write_pack(specs, arches, out_dir: str | os.PathLike, log=print) -> Path:
     """Build every spec for every arch into a pack folder; returns the manifest path."""
     out = Path(out_dir)
     (out / "kernels").mkdir(parents=True, exist_ok=True)
+    check_nvcc_arches(arches)  # before the first (slow) build
     entries = []
     for i, spec in enumerate(specs, 1):
-        entry = build_kernel(spec, arches, out / "kernels")
-        entry["file"] = f"kernels/{entry['file']}"
-        entries.append(entry)
-        log(f"[{i}/{len(specs)}] {spec.name()}  {entry['build_seconds']} s")
+        for entry in build_kernels(spec, arches, out / "kernels"):
+            entry["file"] = f"kernels/{entry['file']}"
+            entries.append(entry)
+            log(
+                f"[{i}/{len(specs)}] {spec.name()} ({entry['schedule']}: "
+                f"{','.join(entry['arches'])})  {entry['build_seconds']} s"
+            )
     manifest = {
         "format": PACK_FORMAT,
         "arches": normalize_arches(arches),
@@ -307,7 +374,7 @@ def _dist_version(dist: str) -> str:
 # --- loading packs (GPU side: tvm_ffi + the runtime libraries only) ---------------------------
 
 _lock = threading.Lock()
-_packs: dict[Any, tuple[Path, dict]] = {}  # spec -> (library path, manifest entry)
+_packs: dict[Any, list[tuple[Path, dict]]] = {}  # spec -> [(library path, entry)], per schedule
 _env_loaded = False
 
 
@@ -315,11 +382,18 @@ def load_pack(path: str | os.PathLike) -> int:
     """Register the kernels of a pack folder; returns how many. Libraries load on first use."""
     root = Path(path)
     manifest = json.loads((root / "manifest.json").read_text())
-    if manifest.get("format") != PACK_FORMAT:
+    if manifest.get("format") not in READABLE_PACK_FORMATS:
         raise RuntimeError(f"torch_tvm_gemm: {root} is a pack of unknown format")
     with _lock:
         for entry in manifest["kernels"]:
-            _packs[spec_from_key(entry["key"])] = (root / entry["file"], entry)
+            spec = spec_from_key(entry["key"])
+            # A later pack replaces an earlier one's library for the same arches.
+            kept = [
+                (p, e)
+                for p, e in _packs.get(spec, [])
+                if not set(e["arches"]) & set(entry["arches"])
+            ]
+            _packs[spec] = [*kept, (root / entry["file"], entry)]
     return len(manifest["kernels"])
 
 
@@ -338,16 +412,18 @@ def lookup(spec, arch: str) -> Any | None:
     A pack kernel without SASS for ``arch`` is an error, not a silent rebuild.
     """
     _load_env_packs()
-    hit = _packs.get(spec)
-    if hit is None:
+    hits = _packs.get(spec)
+    if not hits:
         return None
-    path, entry = hit
-    if arch not in entry["arches"]:
+    found = [(p, e) for p, e in hits if arch in e["arches"]]
+    if not found:
+        built = sorted({a for _, e in hits for a in e["arches"]})
         raise RuntimeError(
-            f"torch_tvm_gemm: kernel {spec.name()} in {path.parent} was built for "
-            f"{', '.join(entry['arches'])}, not for this GPU ({arch}); rebuild the pack with "
+            f"torch_tvm_gemm: kernel {spec.name()} in {hits[0][0].parent} was built for "
+            f"{', '.join(built)}, not for this GPU ({arch}); rebuild the pack with "
             f"--arch {arch}"
         )
+    path, entry = found[0]
     if _sha256(path) != entry["sha256"]:
         raise RuntimeError(f"torch_tvm_gemm: pack kernel {path} is corrupt (hash mismatch)")
     from .runtime import load_kernel_file

@@ -179,25 +179,47 @@ CUDA_MIN_CAPABILITY = (7, 0)
 _INT32_MAX = 2**31 - 1
 
 
-def _check_cuda_arch(a: Tensor) -> None:
-    """The CUDA kernels need a Volta or newer GPU."""
+def _check_cuda_arch(a: Tensor) -> tuple[int, int]:
+    """The CUDA kernels need a Volta or newer GPU. Returns its capability."""
     major, minor = torch.cuda.get_device_capability(a.device)
     if (major, minor) < CUDA_MIN_CAPABILITY:
         raise RuntimeError(
             f"tvm_gemm: {a.device} ({torch.cuda.get_device_name(a.device)}) is sm_{major}{minor}; "
             "the CUDA kernels need sm_70 (Volta) or newer"
         )
+    return major, minor
 
 
-def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> None:
+def _check_cuda(a: Tensor, b: Tensor, m: int, n: int, k: int) -> tuple[int, int]:
     """What the CUDA kernels need beyond the shared checks: a Volta or newer GPU and sizes
-    that 32-bit indices address (the kernels index in int32)."""
-    _check_cuda_arch(a)
+    that 32-bit indices address (the kernels index in int32). Returns the capability."""
+    major, minor = _check_cuda_arch(a)
     if max(m * k, n * k, m * n) > _INT32_MAX:
         raise ValueError(
             f"tvm_gemm: CUDA kernels index in 32 bits; a ({m}x{k}) @ ({k}x{n}) problem has an "
             "operand of 2**31 elements or more (split it)"
         )
+    return major, minor
+
+
+TF32_MIN_CAPABILITY = (8, 0)  # mma.sync with .tf32 operands: Ampere and newer
+
+
+def _use_tf32(a: Tensor) -> bool:
+    """Whether an fp32 product on ``a``'s GPU runs on tensor cores with TF32 inputs now."""
+    return torch.cuda.get_device_capability(a.device) >= TF32_MIN_CAPABILITY and tf32_allowed()
+
+
+def tf32_allowed() -> bool:
+    """Whether fp32 GEMMs may use TF32 now, as torch decides for its own matmuls:
+    ``torch.backends.cuda.matmul.allow_tf32`` (read at every call, so toggling it switches
+    kernels). Torch raises on reading it after the newer ``fp32_precision`` API was used;
+    that setting then says the same."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return getattr(matmul, "fp32_precision", "ieee") == "tf32"
 
 
 def gemm(
@@ -208,8 +230,10 @@ def gemm(
     activation: str = "none",
     static_k: bool = True,
     out: Tensor | None = None,
+    bias_axis: str = "n",
 ) -> Tensor:
-    """``act(a @ B + bias)`` for a 2-D ``a``; B is ``b`` (layout "kn") or ``b.T`` ("nk").
+    """``act(a @ B + bias)`` for a 2-D ``a``; B is ``b`` (layout "kn") or ``b.T`` ("nk"); the
+    bias is one per column (``bias_axis="n"``) or one per row ("m").
 
     Handles what the kernels do not: empty dims, non-contiguous inputs.
     """
@@ -220,7 +244,12 @@ def gemm(
     if m == 0 or n == 0:
         return out
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
-        zero = bias.expand(m, n) if bias is not None else torch.zeros_like(out)
+        row_bias = bias is not None and bias_axis == "m"
+        zero = (
+            (bias[:, None] if row_bias else bias).expand(m, n)
+            if bias is not None
+            else torch.zeros_like(out)
+        )
         return out.copy_(_ACT_FN[activation](zero))
     device = _device_name(a)
     cuda = device == "cuda"
@@ -235,20 +264,23 @@ def gemm(
         activation,
         gemm_variant(m, n, k),
         device,
+        bias_axis,
+        cuda and a.dtype == torch.float32 and _use_tf32(a),
     )
-    kernel = get_kernel(spec)
     args = [a.contiguous(), b.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
     args = [_aligned(t) for t in args]
     dest = _aligned(out, copy=False)
     if a.is_cuda:
-        # tvm_ffi launches on torch's current stream of the tensors' device (it asks torch
-        # through DLPack); the kernel sets the CUDA device of its arguments, so keep torch's
-        # current device as the caller had it.
+        # The tensors' GPU is the current device while the kernel is looked up (its arch
+        # picks the schedule: WMMA on sm_70/75, mma.sync on sm_80+; see runtime.get_kernel)
+        # and launched: tvm_ffi launches on torch's current stream of that device (it asks
+        # torch through DLPack). The caller's current device is restored afterwards.
         with torch.cuda.device(a.device):
-            kernel(*args, dest)
+            get_kernel(spec)(*args, dest)
     else:
+        kernel = get_kernel(spec)
         sync_threads()
         kernel(*args, dest)
     if dest is not out:
@@ -397,7 +429,7 @@ torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_cont
 import weakref  # noqa: E402
 
 from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
-from .schedules.cpu_conv2d import weight_block  # noqa: E402
+from .schedules.cpu_conv2d import pointwise_as_gemm, weight_block  # noqa: E402
 
 LIB.define(
     "conv2d_bias_relu(Tensor x, Tensor weight, Tensor? bias, int[2] stride=1, "
@@ -405,6 +437,7 @@ LIB.define(
 )
 
 _CONV = "conv2d_bias_relu"
+_conv_spec = functools.lru_cache(maxsize=4096)(Conv2dSpec)  # one spec object per geometry
 
 
 def _pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
@@ -497,7 +530,7 @@ def _conv2d_impl(
         return _conv2d_trivial(out, bias, relu)
     n, c, h, w = x.shape
     k, _, r, s = weight.shape
-    spec = Conv2dSpec(
+    spec = _conv_spec(
         dtype=_DTYPE_NAMES[x.dtype],
         c=c,
         k=k,
@@ -513,6 +546,8 @@ def _conv2d_impl(
         relu=relu,
         device=_device_name(x),
     )
+    if spec.device == "cpu" and pointwise_as_gemm(spec):
+        return _pointwise_conv(x, weight, bias, relu, out)
     kernel = get_kernel(spec)
     sync_threads()
     kb = weight_block(spec)
@@ -531,6 +566,19 @@ def _conv2d_trivial(out: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
         return out
     zero = bias.view(1, -1, 1, 1).expand(out.shape) if bias is not None else out.zero_()
     return out.copy_(torch.relu(zero) if relu else zero)
+
+
+def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, out: Tensor):
+    """A 1x1 conv as one GEMM per image, ``out[n] = relu(W @ x[n] + bias[:, None])`` over
+    the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why)."""
+    n, c = x.shape[:2]
+    k = weight.shape[0]
+    w = weight.reshape(k, c)
+    pixels = x.contiguous().view(n, c, -1)
+    dest = out.view(n, k, -1)
+    for i in range(n):
+        gemm(w, pixels[i], "kn", bias, "relu" if relu else "none", out=dest[i], bias_axis="m")
+    return out
 
 
 # id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
@@ -586,7 +634,7 @@ def conv2d_cuda_spec(
     """The CUDA kernel a (validated, groups == 1) call asks for; ``cuda_cases`` records it."""
     n, c, h, w = x.shape
     k, _, r, s = weight.shape
-    return Conv2dSpec(
+    return _conv_spec(
         dtype=_DTYPE_NAMES[x.dtype],
         c=c,
         k=k,

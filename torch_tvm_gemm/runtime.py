@@ -5,6 +5,8 @@ A kernel exported by TVM calls a few runtime services (its thread pool through
 3 MB library shipped inside the apache-tvm wheel beside the 259 MB compiler. We load that
 library alone (``RTLD_GLOBAL``, so that kernels resolve against it) and load kernels with
 ``tvm_ffi.load_module``: a process whose kernels are all cached never imports ``tvm``.
+Once a CPU kernel is loaded, its parallel launcher is pointed at torch's OpenMP pool (see
+``_launch_on_torch_pool`` and csrc/parallel_launch.cpp).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ENV_RUNTIME_LIB_DIR = "TVM_GEMM_RUNTIME_LIB_DIR"  # folder with libtvm_runtime*.
 ENV_TVM_POOL = "TVM_GEMM_TVM_POOL"  # 1: CPU kernels keep TVM's own thread pool (not torch's)
 
 _lock = threading.RLock()
-_table: dict[Any, Any] = {}  # spec -> kernel function
+_table: dict[Any, Any] = {}  # spec (CPU) or (spec, arch) (CUDA) -> kernel function
 _alive: list[Any] = []  # modules / executables whose functions we hand out
 _clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 _runtime_loaded = False
@@ -155,9 +157,8 @@ def _launch_on_torch_pool(path: os.PathLike) -> None:
         return
     # The kernel library is already loaded: RTLD_NOLOAD hands back the same handle.
     lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    if _has_symbol(lib, "__TVMBackendParallelBarrier") or not _has_symbol(
-        lib, "__TVMBackendParallelLaunch"  # a kernel without parallel loops
-    ):
+    barrier = _has_symbol(lib, "__TVMBackendParallelBarrier")
+    if barrier or not _has_symbol(lib, "__TVMBackendParallelLaunch"):  # no parallel loop
         return
     slot = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
     slot.value = _torch_pool_launcher(ext)
@@ -190,30 +191,33 @@ def parallel_launcher(path: os.PathLike) -> str | None:
 
 
 def get_kernel(spec) -> Any:
-    """The callable kernel for ``spec``: from the table, the disk cache, or a fresh build."""
-    fn = _table.get(spec)
+    """The callable kernel for ``spec``: from the table, the disk cache, or a fresh build.
+
+    A CUDA kernel is the one for the current GPU's arch (its schedule depends on it), so
+    the table holds one per (spec, arch): two GPUs of different generations each get theirs.
+    """
+    key = (spec, _cuda_arch()) if spec.device == "cuda" else spec
+    fn = _table.get(key)
     if fn is not None:
         return fn
     with _lock:  # one build per kernel in this process; other processes: cache.py's lock
-        fn = _table.get(spec)
-        if fn is None:
-            fn = _from_pack(spec)
+        fn = _table.get(key)
+        if fn is None and spec.device == "cuda":
+            from . import cuda_pack
+
+            fn = cuda_pack.lookup(spec, key[1])  # a loaded pack first (built elsewhere)
         if fn is None:
             from .cache import load_or_build
 
             fn = load_or_build(spec)
-        _table[spec] = fn
+        _table[key] = fn
     return fn
 
 
-def _from_pack(spec) -> Any | None:
-    """CUDA kernels come from a loaded kernel pack first (built elsewhere, cuda_pack.py)."""
-    if spec.device != "cuda":
-        return None
-    from . import cuda_pack
+def _cuda_arch() -> str:
     from .build import cuda_arch
 
-    return cuda_pack.lookup(spec, cuda_arch())
+    return cuda_arch()
 
 
 def on_clear_table(hook: Callable[[], None]) -> None:

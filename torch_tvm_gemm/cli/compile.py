@@ -5,7 +5,9 @@
     python -m torch_tvm_gemm compile --target cuda --preset bench --out pack/
 
 An op is ``OP:DTYPE:N:K[:EPILOGUE]``: OP ``matmul`` (B is (K, N)) or ``linear`` (weight
-(N, K)); EPILOGUE (linear only) ``bias``, ``relu``, ``gelu``, ``bias+relu``, ``bias+gelu``.
+(N, K)); DTYPE ``float16``, ``bfloat16``, ``float32``, ``float64`` or ``tf32`` (float32
+tensors on tensor cores, the kernel used when ``torch.backends.cuda.matmul.allow_tf32`` is
+set; sm_80+); EPILOGUE (linear only) ``bias``, ``relu``, ``gelu``, ``bias+relu``, ``bias+gelu``.
 Each op is built in both M variants (small M <= 16 and general) unless ``--variants`` says
 otherwise. A conv2d + bias + relu kernel (groups 1, any batch) is
 ``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "tf32")
 
 
 def register(sub) -> None:
@@ -47,6 +49,7 @@ def parse_op(text: str, variants: list[str]) -> list:
             f"DTYPE one of {', '.join(DTYPES)}"
         )
     op, dtype, n, k = parts[0], parts[1], int(parts[2]), int(parts[3])
+    tf32 = dtype == "tf32"  # float32 tensors, TF32 tensor-core math
     epilogue = set(parts[4].split("+")) if len(parts) == 5 else set()
     if epilogue - {"bias", "relu", "gelu"} or {"relu", "gelu"} <= epilogue:
         raise SystemExit(f"compile: bad epilogue in {text!r} (bias, relu, gelu, bias+relu, ...)")
@@ -55,7 +58,7 @@ def parse_op(text: str, variants: list[str]) -> list:
     activation = next((a for a in ("relu", "gelu") if a in epilogue), "none")
     return [
         GemmSpec(
-            dtype=dtype,
+            dtype="float32" if tf32 else dtype,
             n=n,
             k=k,
             b_layout="kn" if op == "matmul" else "nk",
@@ -63,6 +66,7 @@ def parse_op(text: str, variants: list[str]) -> list:
             activation=activation,
             variant=variant,
             device="cuda",
+            tf32=tf32,
         )
         for variant in variants
     ]
@@ -121,6 +125,10 @@ def run(args) -> int:
     if old:
         raise SystemExit(f"compile: {', '.join(old)} not supported (sm_70 or newer)")
     cuda_pack.find_nvcc()  # fail early, with the message saying how to get nvcc
+    try:
+        cuda_pack.check_nvcc_arches(arches)  # e.g. sm_70 with CUDA 13's nvcc
+    except cuda_pack.NvccArchError as err:
+        raise SystemExit(f"compile: {err}") from None
     variants = [v for v in args.variants.split(",") if v]
     specs = []
     if args.preset:

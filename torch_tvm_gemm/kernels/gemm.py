@@ -4,7 +4,8 @@ No schedule here: the same PrimFunc is scheduled for LLVM CPUs in ``schedules/cp
 CUDA in ``schedules/cuda.py``.
 
 Shapes: ``A (M, K)``; ``B (K, N)`` (layout "kn", torch.matmul's right operand) or ``(N, K)``
-(layout "nk", an ``nn.Linear`` weight); ``bias (N,)``; ``out (M, N)``. ``M`` is always
+(layout "nk", an ``nn.Linear`` weight); ``bias (N,)``, or ``(M,)`` with ``bias_axis="m"``
+(a 1x1 convolution as W @ X: one bias per output channel, i.e. per row); ``out (M, N)``. ``M`` is always
 symbolic, so one kernel serves every batch size; ``N`` is static; ``K`` is static or symbolic.
 """
 
@@ -28,6 +29,10 @@ class GemmSpec:
     activation: str = "none"
     variant: str = "gemm"  # schedule family: "gemm" (packed B, any M) or "gemv" (small M)
     device: str = "cpu"
+    bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)
+    # CUDA fp32 only: multiply on tensor cores with TF32 inputs (10-bit mantissa, fp32 sums),
+    # chosen per call by torch.backends.cuda.matmul.allow_tf32 (see ops.py).
+    tf32: bool = False
 
     family = "gemm"
 
@@ -35,22 +40,33 @@ class GemmSpec:
         # Internal invariants: user input is validated in ops.py before a spec is made.
         if self.dtype not in DTYPES or self.activation not in ACTIVATIONS:
             raise ValueError(f"bad GemmSpec {self}")
-        if self.b_layout not in ("kn", "nk"):
+        if self.b_layout not in ("kn", "nk") or self.bias_axis not in ("n", "m"):
             raise ValueError(f"bad GemmSpec {self}")
+        if self.tf32 and (self.dtype != "float32" or self.device != "cuda"):
+            raise ValueError(f"bad GemmSpec {self}: TF32 is for float32 CUDA kernels")
 
     @property
     def acc_dtype(self) -> str:
         return "float64" if self.dtype == "float64" else "float32"
 
     def key(self) -> dict:
-        return {"family": self.family, **asdict(self)}
+        key = {"family": self.family, **asdict(self)}
+        # Fields added later are absent at their defaults: existing cached kernels stay valid.
+        if not self.tf32:
+            del key["tf32"]
+        if self.bias_axis == "n":
+            del key["bias_axis"]
+        return key
 
     def name(self) -> str:
         k = "K" if self.k is None else self.k
         epi = ("_bias" if self.bias else "") + (
             "" if self.activation == "none" else "_" + self.activation
         )
-        return f"gemm_{self.variant}_{self.dtype}_{self.b_layout}_n{self.n}_k{k}{epi}"
+        if self.bias and self.bias_axis == "m":
+            epi = epi.replace("_bias", "_rowbias")
+        tf32 = "_tf32" if self.tf32 else ""
+        return f"gemm_{self.variant}_{self.dtype}{tf32}_{self.b_layout}_n{self.n}_k{k}{epi}"
 
 
 def apply_activation(x, activation: str, dtype: str):
@@ -115,7 +131,7 @@ def gemm_compute(
     opd = operand_dtype or acc
     A = te.placeholder((M, K), spec.dtype, name="A")
     B = te.placeholder((K, N) if spec.b_layout == "kn" else (N, K), spec.dtype, name="B")
-    bias = te.placeholder((N,), spec.dtype, name="bias")
+    bias = te.placeholder((M,) if spec.bias_axis == "m" else (N,), spec.dtype, name="bias")
 
     g = granule
 
@@ -152,7 +168,7 @@ def gemm_compute(
 
     def final(i, j):
         if spec.bias:
-            return acc_t[i, j] + bias[j].astype(acc)
+            return acc_t[i, j] + bias[i if spec.bias_axis == "m" else j].astype(acc)
         return acc_t[i, j]
 
     out = te.compute(

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from ..kernels.gemm import GemmSpec, gemm_compute
 from . import cuda_intrin
 
-SCHEDULE_VERSION = 1  # part of the cache key: bump when a schedule changes the binary
+SCHEDULE_VERSION = 2  # part of the cache key: bump when a schedule changes the binary
+# (2: nvcc -maxrregcount=255, WMMA and TF32 schedules)
 MIN_ARCH = 70  # below Volta: no kernels (ops.py raises a clear error)
 MMA_MIN_ARCH = 80  # ldmatrix + mma.sync m16n8k16 with bf16, cp.async
 
@@ -45,10 +46,12 @@ class MmaConfig:
         return 32 * self.warps_m * self.warps_n
 
     def smem_bytes(self, dtype_bytes: int = 2) -> int:
-        """Shared memory of one block: the pipelined A/B tiles (rows padded by 8) and the
-        fp32 accumulator tile of the epilogue, which reuses nothing (a safe upper bound)."""
-        ab = (self.bm + self.bn) * (self.bk + 8) * dtype_bytes * self.stages
-        return ab + self.bm * self.bn * 4
+        """Shared memory of one block, a safe upper bound: the pipelined A/B tiles (rows
+        padded by up to 8 elements, B stored either way) and the fp32 accumulator tile of
+        the epilogue, counted as if it reused nothing."""
+        a = self.bm * (self.bk + 8)
+        b = max(self.bn * (self.bk + 8), self.bk * (self.bn + 8))
+        return (a + b) * dtype_bytes * self.stages + self.bm * self.bn * 4
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,27 @@ MMA_CONFIGS = {
     "gemm": MmaConfig(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=3),
     "gemv": MmaConfig(bm=16, bn=64, bk=64, warps_m=1, warps_n=2, stages=3),
 }
+# WMMA (sm_70/75): 64x64 blocks of 4 warps (32x32 each), double-buffered without cp.async.
+# Small tiles on purpose: Turing has 64 KB of shared memory per SM and Volta's fragments are
+# twice as large per lane (HMMA.884 duplicates A/B across lane quads), so a 64x64 warp tile
+# would not fit in registers. 37 KB of shared memory per block (no opt-in above 48 KB).
+WMMA_CONFIGS = {
+    "gemm": MmaConfig(bm=64, bn=64, bk=32, warps_m=2, warps_n=2, stages=2),
+    "gemv": MmaConfig(bm=16, bn=64, bk=32, warps_m=1, warps_n=2, stages=2),
+}
+# TF32 (fp32 operands: twice the bytes per element): 128x128 blocks of 8 warps (64x32 each:
+# 4x2 fragments, 64 accumulators and 48 operand registers per lane), K steps of 16.
+TF32_CONFIGS = {
+    "gemm": MmaConfig(bm=128, bn=128, bk=16, warps_m=2, warps_n=4, stages=3),
+    "gemv": MmaConfig(bm=16, bn=64, bk=32, warps_m=1, warps_n=2, stages=3),
+}
 SIMT_CONFIGS = {
     "gemm": SimtConfig(bm=64, bn=64, bk=16, tm=4, tn=4),
     "gemv": SimtConfig(bm=16, bn=64, bk=32, tm=1, tn=4),
 }
+
+
+TENSOR_CORE_CONFIGS = {"mma": MMA_CONFIGS, "wmma": WMMA_CONFIGS, "tf32": TF32_CONFIGS}
 
 
 def arch_number(arch: str) -> int:
@@ -81,34 +101,83 @@ def arch_number(arch: str) -> int:
     return int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit()))
 
 
+def schedule_kind(spec: GemmSpec, arch: str) -> str:
+    """Which schedule ``spec`` gets on ``arch``:
+
+    - "mma": fp16/bf16 on sm_80+ (ldmatrix + mma.sync m16n8k16, cp.async);
+    - "wmma": fp16 on sm_70/75 (WMMA fragments: HMMA.884 / HMMA.1688);
+    - "tf32": fp32 with ``spec.tf32`` on sm_80+ (mma.sync m16n8k8 .tf32);
+    - "simt": everything else, bf16 below sm_80 included (Volta and Turing tensor cores have
+      no bf16 mode; their bf16 GEMMs run on CUDA cores, correct but slower: bf16 stays usable
+      on a V100 / T4, as in torch, rather than raising), and exact fp32.
+    """
+    sm = arch_number(arch)
+    if spec.tf32:
+        return "tf32" if sm >= MMA_MIN_ARCH else "simt"
+    if spec.dtype in ("float16", "bfloat16") and sm >= MMA_MIN_ARCH:
+        return "mma"
+    if spec.dtype == "float16" and sm >= MIN_ARCH:
+        return "wmma"
+    return "simt"
+
+
 def uses_tensor_cores(spec: GemmSpec, arch: str) -> bool:
-    return spec.dtype in ("float16", "bfloat16") and arch_number(arch) >= MMA_MIN_ARCH
+    return schedule_kind(spec, arch) != "simt"
 
 
 def launch_config(spec: GemmSpec, arch: str) -> dict:
     """Threads per block and shared memory the schedule of ``spec`` uses (for checks)."""
-    if uses_tensor_cores(spec, arch):
-        cfg = MMA_CONFIGS[spec.variant]
-        return {"threads": cfg.threads, "smem_bytes": cfg.smem_bytes(), "schedule": "mma"}
+    kind = schedule_kind(spec, arch)
+    if kind in TENSOR_CORE_CONFIGS:
+        cfg = TENSOR_CORE_CONFIGS[kind][spec.variant]
+        item = 4 if kind == "tf32" else 2
+        return {"threads": cfg.threads, "smem_bytes": cfg.smem_bytes(item), "schedule": kind}
     cfg = SIMT_CONFIGS[spec.variant]
     item = 8 if spec.dtype == "float64" else 4
     smem = (cfg.bm + cfg.bn) * cfg.bk * item
     return {"threads": cfg.threads, "smem_bytes": smem, "schedule": "simt"}
 
 
+def pass_config(spec: GemmSpec, arch: str) -> dict:
+    """TVM pass options for the kernel of ``spec`` on ``arch``: cp.async (sm_80+ only) for
+    the global->shared copies of the "mma" and "tf32" schedules; no TIR CSE, which hides the lane index
+    from the warp-memory lowering (nvcc does its own CSE).
+
+    WMMA: no StorageRewrite. It lets the fp32 accumulator tile reuse a freed fp16 operand
+    buffer when it fits (small tiles), and then TVM 0.27 rejects the fp32 pointer of
+    wmma::store_matrix_sync into it ("tvm_access_ptr element type must match"). Shared
+    memory is still reused: the dynamic shared allocations are merged by their own pass.
+    """
+    kind = schedule_kind(spec, arch)
+    return {
+        "tirx.use_async_copy": kind in ("mma", "tf32"),
+        "tirx.disable_cse_tir": True,
+        "tirx.disable_storage_rewrite": kind == "wmma",
+    }
+
+
 def schedule_gemm(spec: GemmSpec, arch: str):
     """The scheduled IRModule for ``spec`` on a GPU of compute capability ``arch``."""
-    if uses_tensor_cores(spec, arch):
-        return schedule_mma(spec, MMA_CONFIGS[spec.variant])
+    kind = schedule_kind(spec, arch)
+    if kind in TENSOR_CORE_CONFIGS:
+        return schedule_mma(spec, TENSOR_CORE_CONFIGS[kind][spec.variant], kind)
     return schedule_simt(spec, SIMT_CONFIGS[spec.variant])
 
 
 # --- tensor cores -----------------------------------------------------------------------------
 
 
-def schedule_mma(spec: GemmSpec, cfg: MmaConfig, func=None, vector: int | None = None):
-    """``func`` / ``vector``: another math with gemm_compute's blocks and "nk" B, padded to
-    ``cfg``'s tiles, and its load width (the conv's implicit GEMM, schedules/cuda_conv2d.py)."""
+def schedule_mma(
+    spec: GemmSpec, cfg: MmaConfig, kind: str = "mma", func=None, vector: int | None = None
+):
+    """The tensor-core schedules (``kind`` of ``schedule_kind``): "mma" (ldmatrix +
+    mma.sync, fp16/bf16), "wmma" (WMMA fragments, fp16 on sm_70/75), "tf32" (mma.sync on
+    fp32 operands). All tensorize the same 16x16x16 steps; they differ in the fragments'
+    scope and layout, the shared-memory padding and the pipeline (no cp.async before sm_80).
+
+    ``func`` / ``vector``: another math with gemm_compute's blocks and "nk" B, padded to
+    ``cfg``'s tiles, and its load width (the conv's implicit GEMM, schedules/cuda_conv2d.py).
+    """
     from tvm import s_tir
 
     tile = cuda_intrin.TILE
@@ -116,12 +185,20 @@ def schedule_mma(spec: GemmSpec, cfg: MmaConfig, func=None, vector: int | None =
     if func is None:
         func = gemm_compute(spec, cfg.bm, cfg.bn, cfg.bk, operand_dtype=spec.dtype, granule=vector)
     sch = s_tir.Schedule(_int32_indices(func))
-    names = cuda_intrin.intrinsics(spec.dtype, spec.b_layout == "nk")
+    b_k_major = spec.b_layout == "nk"
+    scopes = {"A": "warp", "B": "warp", "C": "warp"}
+    if kind == "wmma":
+        names = cuda_intrin.wmma_intrinsics(b_k_major)
+        scopes = cuda_intrin.WMMA_SCOPE
+    elif kind == "tf32":
+        names = cuda_intrin.tf32_intrinsics(b_k_major)
+    else:
+        names = cuda_intrin.intrinsics(spec.dtype, b_k_major)
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
 
     # Split each axis into (16-wide fragment) x (the rest) and make the 16x16x16 step a block:
-    # the unit that tensorize replaces with two mma.sync.
+    # the unit that tensorize replaces with two mma.sync (or one wmma::mma_sync).
     i, j, k = sch.get_loops(acc)
     i, i_tc = sch.split(i, [None, tile])
     j, j_tc = sch.split(j, [None, tile])
@@ -142,23 +219,23 @@ def schedule_mma(spec: GemmSpec, cfg: MmaConfig, func=None, vector: int | None =
     sch.bind(warp, "threadIdx.y")
 
     # Global -> shared: the padding stages themselves, one BM x BK / BK x BN tile per k0.
-    for stage in (a_pad, b_pad):
+    for stage, k_major in ((a_pad, True), (b_pad, b_k_major)):
         # (scope first: compute_at then sizes the tile for all warps of the block, since
         # thread loops are relaxed for shared memory)
         sch.set_scope(stage, 0, "shared.dyn")
         sch.compute_at(stage, k0)
         _spread_copy(sch, stage, cfg, vector)
-        # +8 elements per row: ldmatrix's 8 row addresses fall in different banks.
-        sch.storage_align(stage, 0, axis=-2, factor=32, offset=8)
+        factor, offset = _row_padding(kind, k_major)
+        sch.storage_align(stage, 0, axis=-2, factor=factor, offset=offset)
 
     # Shared -> registers (fragments), per k1 step.
-    a_frag = sch.cache_read(outer, _read_index(sch, outer, "A_pad"), "warp")
-    b_frag = sch.cache_read(outer, _read_index(sch, outer, "B_pad"), "warp")
+    a_frag = sch.cache_read(outer, _read_index(sch, outer, "A_pad"), scopes["A"])
+    b_frag = sch.cache_read(outer, _read_index(sch, outer, "B_pad"), scopes["B"])
     sch.compute_at(a_frag, k1)
     sch.compute_at(b_frag, k1)
 
     # Accumulators: registers -> the block's fp32 tile in shared memory ("acc") -> "out".
-    c_frag = sch.cache_write(outer, 0, "warp")
+    c_frag = sch.cache_write(outer, 0, scopes["C"])
     sch.reverse_compute_at(c_frag, warp)
     sch.set_scope(c_frag, 0, "shared.dyn")
     sch.reverse_compute_at(out, j0)
@@ -174,19 +251,8 @@ def schedule_mma(spec: GemmSpec, cfg: MmaConfig, func=None, vector: int | None =
         return r1
 
     load_a, load_b, store_c = fragments(a_frag), fragments(b_frag), fragments(c_frag)
-    sch.transform_layout(a_frag, ("write", 0), cuda_intrin.fragment_index_map)
-    if spec.b_layout == "nk":  # the fragment is labelled (k, n) whatever the storage order
-        sch.transform_layout(
-            b_frag,
-            ("write", 0),
-            lambda n, k: (
-                cuda_intrin.fragment_index_map(k, n)[1::-1]
-                + cuda_intrin.fragment_index_map(k, n)[2:]
-            ),
-        )
-    else:
-        sch.transform_layout(b_frag, ("write", 0), cuda_intrin.fragment_index_map)
-    sch.transform_layout(c_frag, ("read", 0), cuda_intrin.fragment_index_map)
+    if kind != "wmma":  # mma.sync: the fragments' lane/slot layout is explicit (WMMA's is opaque)
+        _mma_fragment_layouts(sch, a_frag, b_frag, c_frag, b_k_major, kind == "tf32")
 
     sch.tensorize(load_a, names["load_a"])
     sch.tensorize(load_b, names["load_b"])
@@ -194,19 +260,51 @@ def schedule_mma(spec: GemmSpec, cfg: MmaConfig, func=None, vector: int | None =
     sch.tensorize(sch.get_loops(sch.get_sblock("acc_init"))[-2], names["init"])
     sch.tensorize(store_c, names["store"])
 
-    _pipeline(sch, k0, cfg)
+    _pipeline(sch, k0, cfg, async_copy=kind != "wmma")
     return sch.mod
 
 
-def load_vector(spec: GemmSpec) -> int:
-    """Elements per global load: 8 (16 bytes, one cp.async) when K and N allow it.
+def _row_padding(kind: str, k_major: bool) -> tuple[int, int]:
+    """``storage_align`` (factor, offset) of a shared tile's rows: row stride = offset
+    (mod factor) elements, chosen so that the fragment loads of a warp are conflict-free.
 
-    A row of A or B starts 16-byte aligned only if its length is a multiple of 8; odd shapes
-    get narrower (still correct) loads.
+    16-bit (ldmatrix; WMMA also needs 16-byte rows and 32-byte aligned fragments): +8
+    elements, the 8 row addresses of an 8x8 matrix fall in different banks. TF32 (32-bit
+    loads, lane (g, t) = (lane // 4, lane % 4)): a [.., k] tile reads row g, column t:
+    stride = 4 (mod 8) puts the 32 lanes in 32 banks; a [k, n] tile reads row t, column g:
+    stride = 8 (mod 16). Both keep rows 16-byte aligned for cp.async.
+    """
+    if kind != "tf32":
+        return 32, 8
+    return (8, 4) if k_major else (16, 8)
+
+
+def _mma_fragment_layouts(sch, a_frag, b_frag, c_frag, b_k_major: bool, tf32: bool) -> None:
+    """Lay the "warp" fragments out as (fragment, fragment, lane, slot): mma.sync's map."""
+    if tf32:
+        a_map = cuda_intrin.tf32_index_map(cuda_intrin.tf32_a_layout)
+        b_map = cuda_intrin.tf32_index_map(cuda_intrin.tf32_b_layout)
+    else:
+        a_map = b_map = cuda_intrin.fragment_index_map
+    sch.transform_layout(a_frag, ("write", 0), a_map)
+    if b_k_major:  # the fragment is labelled (k, n) whatever the storage order
+        sch.transform_layout(
+            b_frag, ("write", 0), lambda n, k: (*b_map(k, n)[1::-1], *b_map(k, n)[2:])
+        )
+    else:
+        sch.transform_layout(b_frag, ("write", 0), b_map)
+    sch.transform_layout(c_frag, ("read", 0), cuda_intrin.fragment_index_map)
+
+
+def load_vector(spec: GemmSpec) -> int:
+    """Elements per global load: 16 bytes (one cp.async) when K and N allow it.
+
+    A row of A or B starts 16-byte aligned only if its length is a multiple of 16 bytes;
+    odd shapes get narrower (still correct) loads.
     """
     if spec.k is None:
         raise ValueError("CUDA GEMM kernels are specialised on K (spec.k must be set)")
-    return math.gcd(8, spec.k, spec.n)
+    return math.gcd(4 if spec.dtype == "float32" else 8, spec.k, spec.n)
 
 
 def _int32_indices(func):
@@ -252,12 +350,14 @@ def _epilogue(sch, out, cfg, vector: int) -> None:
         sch.vectorize(vec)
 
 
-def _pipeline(sch, k0, cfg) -> None:
-    """Software pipelining: ``stages`` - 1 copies of A/B tiles in flight (cp.async) while
-    the mma of the current one runs."""
+def _pipeline(sch, k0, cfg, async_copy: bool = True) -> None:
+    """Software pipelining: ``stages`` - 1 copies of A/B tiles in flight while the mma of
+    the current one runs; asynchronous (cp.async, sm_80+) with ``async_copy``, else plain
+    double buffering (the next tile's loads are issued before this tile's mma)."""
     sch.annotate(k0, "software_pipeline_stage", [0, 0, cfg.stages - 1])
     sch.annotate(k0, "software_pipeline_order", [0, 1, 2])
-    sch.annotate(k0, "software_pipeline_async_stages", [0])
+    if async_copy:
+        sch.annotate(k0, "software_pipeline_async_stages", [0])
 
 
 # --- SIMT ---------------------------------------------------------------------------------------

@@ -47,6 +47,17 @@ def uses_tensor_cores(spec: Conv2dSpec, arch: str) -> bool:
     return spec.dtype in ("float16", "bfloat16") and cuda.arch_number(arch) >= cuda.MMA_MIN_ARCH
 
 
+def schedule_kind(spec: Conv2dSpec, arch: str) -> str:
+    """ "mma" or "simt" (as ``cuda.schedule_kind``: packs build one library per kind)."""
+    return "mma" if uses_tensor_cores(spec, arch) else "simt"
+
+
+def pass_config(spec: Conv2dSpec, arch: str) -> dict:
+    """TVM pass options: cp.async for the mma schedule's copies (sm_80+); no TIR CSE (see
+    ``cuda.pass_config``)."""
+    return {"tirx.use_async_copy": schedule_kind(spec, arch) == "mma", "tirx.disable_cse_tir": True}
+
+
 def mma_config(spec: Conv2dSpec) -> cuda.MmaConfig:
     return MMA_NARROW if spec.k <= NARROW_K else cuda.MMA_CONFIGS["gemm"]
 
@@ -70,7 +81,7 @@ def schedule_conv2d(spec: Conv2dSpec, arch: str):
         func = conv2d_gemm_compute(
             spec, cfg.bm, cfg.bn, cfg.bk, operand_dtype=spec.dtype, granule=vector
         )
-        return cuda.schedule_mma(gemm, cfg, func=func, vector=vector)
+        return cuda.schedule_mma(gemm, cfg, "mma", func=func, vector=vector)
     cfg = cuda.SIMT_CONFIGS["gemm"]
     # 16 bytes per load (4 floats, 2 doubles: a 4-wide double vector spilt to the stack).
     vector = load_granule(spec, 2 if spec.dtype == "float64" else 4)

@@ -1,0 +1,117 @@
+"""The first Hopper kernel (schedules/cuda_wgmma.py): TMA + wgmma for sm_90a, SASS checked.
+
+No GPU needed: TVM generates the CUDA source, nvcc compiles it for sm_90a
+(-gencode arch=compute_90a,code=sm_90a) and the SASS is read with cuobjdump. Skipped when
+nvcc is missing or this TVM lacks the TIRx CUDA tile primitives.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from torch_tvm_gemm import cuda_pack
+from torch_tvm_gemm.cuda_pack import NvccNotFoundError
+from torch_tvm_gemm.schedules import cuda_wgmma
+
+
+def _have_nvcc() -> bool:
+    try:
+        cuda_pack.find_nvcc()
+    except NvccNotFoundError:
+        return False
+    return True
+
+
+_ok, _why = cuda_wgmma.wgmma_available()
+pytestmark = [
+    pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found"),
+    pytest.mark.skipif(not _ok, reason=f"TVM tile primitives unavailable: {_why}"),
+]
+needs_cuobjdump = pytest.mark.skipif(
+    cuda_pack.find_cuobjdump() is None, reason="cuobjdump not found (nvidia-cuda-cuobjdump)"
+)
+
+SIZE = (1024, 1024, 1024)
+CFG = cuda_wgmma.WgmmaConfig()
+VARIANTS = {"plain": {}, "bias_relu": {"bias": True, "relu": True}}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def built(request) -> dict:
+    kwargs = VARIANTS[request.param]
+    source = cuda_wgmma.wgmma_cuda_source(*SIZE, **kwargs)
+    return {"name": request.param, "source": source, **kwargs}
+
+
+@pytest.fixture(scope="module")
+def sass(built) -> str:
+    if cuda_pack.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found (nvidia-cuda-cuobjdump)")
+    fatbin = cuda_wgmma.wgmma_fatbin(built["source"])
+    sections = cuda_pack.sass_by_arch(fatbin)
+    assert list(sections) == ["sm_90a"]
+    return sections["sm_90a"]
+
+
+def _opcodes(sass: str) -> list[str]:
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+
+
+def test_source_uses_wgmma_and_tma(built):
+    src = built["source"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in src
+    assert "cp.async.bulk.tensor.2d" in src
+    assert "__grid_constant__ CUtensorMap" in src
+    assert "mbarrier.try_wait.parity" in src
+
+
+@needs_cuobjdump
+def test_sass_has_hgmma_and_tma(sass):
+    ops = _opcodes(sass)
+    hgmma = [op for op in ops if op.startswith("HGMMA.64x128x16.F32")]
+    assert hgmma, "no HGMMA (wgmma) in the sm_90a SASS"
+    assert any(op.startswith("UTMALDG") for op in ops), "no TMA load (UTMALDG) in the SASS"
+    assert "WARPGROUP.ARRIVE" in ops
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))], "local memory (spills)"
+
+
+@needs_cuobjdump
+def test_wgmma_not_serialized_in_sass(sass):
+    # ptxas serializes a wgmma pipeline it cannot prove safe: then every HGMMA carries its
+    # own scoreboard wait. Here the 4 k16 steps of a k-tile issue back to back: only the
+    # last of each group sets gsb0.
+    lines = [line for line in sass.splitlines() if "HGMMA." in line]
+    with_gsb = [line for line in lines if "gsb0" in line]
+    assert len(with_gsb) < len(lines)
+
+
+def test_ptxas_resources(built):
+    report = cuda_wgmma.ptxas_report(built["source"])
+    assert not report["wgmma_serialized"], report["log"][-2000:]
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0
+    # 3 warpgroups (producer + 2 consumers) x 128 threads within the 64K register file
+    assert 0 < report["registers"] * CFG.threads <= 65536
+    assert report["stack"] == 0
+
+
+def test_dynamic_shared_memory_fits(built):
+    assert CFG.smem_bytes() <= 227 * 1024
+    assert "extern __shared__" in built["source"]
+
+
+def test_bad_shapes_rejected():
+    with pytest.raises(ValueError, match="multiples of the tile"):
+        cuda_wgmma.wgmma_gemm_func(1000, 1024, 1024)
+    with pytest.raises(ValueError, match="block_k"):
+        cuda_wgmma.wgmma_gemm_func(1024, 1024, 1024, cfg=cuda_wgmma.WgmmaConfig(block_k=32))
+
+
+def test_export_library_holds_sm90a_sass(tmp_path):
+    path = tmp_path / "wgmma.so"
+    facts = cuda_wgmma.export_wgmma(*SIZE, path)
+    assert facts["arches"] == ["sm_90a"]
+    fatbin = cuda_pack.fatbin_from_library(path)
+    if cuda_pack.find_cuobjdump():
+        assert "HGMMA" in cuda_pack.sass_by_arch(fatbin)["sm_90a"]
