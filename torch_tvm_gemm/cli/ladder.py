@@ -20,7 +20,7 @@ def register(sub) -> None:
     p.add_argument(
         "--tune-trials",
         type=int,
-        default=32,
+        default=96,
         help="MetaSchedule trials per size for the tuned step (records in the database "
         "count: a size tuned before is not re-tuned); 0 skips the step",
     )
