@@ -107,10 +107,10 @@ class ConvCase:
 
     def spec(self):
         """The kernel a CUDA run asks for (the op's own spec function, on meta tensors)."""
-        from .ops import conv2d_cuda_spec
+        from .ops import conv2d_spec
 
-        x, w, b, stride, padding, dilation, _, relu = self.inputs("meta")
-        return conv2d_cuda_spec(x, w, b, stride, padding, dilation, relu)
+        x, w, b, stride, padding, dilation, groups, relu = self.inputs("meta")
+        return conv2d_spec(x, w, b, stride, padding, dilation, groups, relu, device="cuda")
 
 
 NARROW = (torch.float16, torch.bfloat16)

@@ -513,6 +513,39 @@ def check_conv2d(
     return [x.shape[0], k, *out_hw]
 
 
+def conv2d_spec(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    relu: bool,
+    device: str | None = None,
+) -> Conv2dSpec:
+    """The kernel a validated call asks for, on ``device`` (default: x's; ``cuda_cases``
+    asks for the CUDA kernel of meta tensors)."""
+    _, c, h, w = x.shape
+    k, _, r, s = weight.shape
+    return _conv_spec(
+        dtype=_DTYPE_NAMES[x.dtype],
+        c=c,
+        k=k,
+        r=r,
+        s=s,
+        h=h,
+        w=w,
+        stride=_pair(_CONV, "stride", stride, 1),
+        padding=_pair(_CONV, "padding", padding, 0),
+        dilation=_pair(_CONV, "dilation", dilation, 1),
+        groups=groups,
+        bias=bias is not None,
+        relu=relu,
+        device=device or _device_name(x),
+    )
+
+
 def _conv2d_impl(
     x: Tensor,
     weight: Tensor,
@@ -528,25 +561,8 @@ def _conv2d_impl(
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0 or weight.shape[1] == 0:
         return _conv2d_trivial(out, bias, relu)
-    n, c, h, w = x.shape
-    k, _, r, s = weight.shape
-    spec = _conv_spec(
-        dtype=_DTYPE_NAMES[x.dtype],
-        c=c,
-        k=k,
-        r=r,
-        s=s,
-        h=h,
-        w=w,
-        stride=_pair(_CONV, "stride", stride, 1),
-        padding=_pair(_CONV, "padding", padding, 0),
-        dilation=_pair(_CONV, "dilation", dilation, 1),
-        groups=groups,
-        bias=bias is not None,
-        relu=relu,
-        device=_device_name(x),
-    )
-    if spec.device == "cpu" and pointwise_as_gemm(spec):
+    spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu)
+    if pointwise_as_gemm(spec):
         return _pointwise_conv(x, weight, bias, relu, out)
     kernel = get_kernel(spec)
     sync_threads()
@@ -628,29 +644,6 @@ def _cuda_channels_last(x: Tensor) -> bool:
     )
 
 
-def conv2d_cuda_spec(
-    x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, relu: bool
-) -> Conv2dSpec:
-    """The CUDA kernel a (validated, groups == 1) call asks for; ``cuda_cases`` records it."""
-    n, c, h, w = x.shape
-    k, _, r, s = weight.shape
-    return _conv_spec(
-        dtype=_DTYPE_NAMES[x.dtype],
-        c=c,
-        k=k,
-        r=r,
-        s=s,
-        h=h,
-        w=w,
-        stride=_pair(_CONV, "stride", stride, 1),
-        padding=_pair(_CONV, "padding", padding, 0),
-        dilation=_pair(_CONV, "dilation", dilation, 1),
-        bias=bias is not None,
-        relu=relu,
-        device="cuda",
-    )
-
-
 def _conv2d_cuda_impl(
     x: Tensor,
     weight: Tensor,
@@ -681,7 +674,8 @@ def _conv2d_cuda_impl(
     if out.numel() == 0 or weight.shape[1] == 0:
         out = _conv2d_trivial(out, bias, relu)
     else:
-        kernel = get_kernel(conv2d_cuda_spec(x, weight, bias, stride, padding, dilation, relu))
+        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, device="cuda")
+        kernel = get_kernel(spec)
         x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
         args = [x_nhwc, _cached_weight(weight, "krsc", lambda: _weight_krsc(weight))]
         if bias is not None:
