@@ -103,6 +103,40 @@ def bench_conv(case: ConvCase, reps: int) -> dict:
     }
 
 
+def bench_wgmma() -> dict | None:
+    """The first wgmma kernel (not in the ops yet) vs F.linear, when gpu_check.sh carried it
+    and this is an sm_90 GPU; None otherwise."""
+    import os
+    from pathlib import Path
+
+    from torch_tvm_gemm.schedules.cuda_wgmma import CHECK_SIZE, ENV_CHECK_DIR, load_check_kernel
+
+    path = Path(os.environ.get(ENV_CHECK_DIR, "/nonexistent")) / "plain.so"
+    if torch.cuda.get_device_capability() != (9, 0) or not path.exists():
+        return None
+    kernel, n = load_check_kernel(path), CHECK_SIZE
+    a, b = (torch.randn(n, n, device="cuda").half() for _ in range(2))
+    out = torch.empty(n, n, device="cuda", dtype=torch.float16)
+    kernel(a, b, out)
+    err = (out.float() - F.linear(a.float(), b.float())).abs().max().item()
+    ours = time_ms(lambda: kernel(a, b, out), 20)
+    theirs = time_ms(lambda: F.linear(a, b), 20)
+    flops = 2 * n**3
+    return {
+        "op": "wgmma (first)",
+        "dtype": "float16",
+        "shape": f"{n}x{n}x{n}",
+        "tvm_ms": ours,
+        "torch_ms": theirs,
+        "tvm_tflops": flops / ours / 1e9,
+        "torch_tflops": flops / theirs / 1e9,
+        "ratio": theirs / ours,
+        "target": None,
+        "max_abs_err": err,
+        "first_call_s": None,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=20)
@@ -115,12 +149,20 @@ def main() -> int:
     )
     print(header)
     print("-" * len(header))
-    rows = []
-    for case in BENCH_CASES + CONV_BENCH_CASES:
+    rows, failed = [], 0
+    for case in [*BENCH_CASES, *CONV_BENCH_CASES, "wgmma"]:
         try:
-            row = bench_conv(case, args.reps) if case.op == "conv2d" else bench(case, args.reps)
+            if case == "wgmma":
+                row = bench_wgmma()
+                if row is None:
+                    continue
+            elif case.op == "conv2d":
+                row = bench_conv(case, args.reps)
+            else:
+                row = bench(case, args.reps)
         except Exception as err:  # one failing kernel must not hide the others
-            print(f"{case.op:<16}{str(case.dtype):<10} FAILED: {err}")
+            print(f"{getattr(case, 'op', case):<16} FAILED: {err}")
+            failed += 1
             continue
         rows.append(row)
         target = (
@@ -137,7 +179,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0 if len(rows) == len(BENCH_CASES) + len(CONV_BENCH_CASES) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 #        pack/    the kernels of the GPU tests and the benchmark (GEMM and conv2d), cross-
 #                 compiled for the arch (`python -m torch_tvm_gemm compile --preset all`),
 #                 with manifest.json
+#        wgmma/   for sm_90: the first TMA + wgmma kernel (docs/wgmma.md), two variants
 #
 # 2. On the GPU machine (H200 image: Python 3.12, torch 2.11 + CUDA 13, no apache-tvm), through
 #    the device tool, from the repo root; nothing comes from ../shared, only the working tree
@@ -35,6 +36,10 @@ if [[ "${1:-run}" == "prepare" ]]; then
 print(pathlib.Path(importlib.util.find_spec('tvm').origin).parent / 'lib')")
     cp "$TVM_LIB/libtvm_runtime.so" "$TVM_LIB/libtvm_runtime_cuda.so" "$CARRY/lib/"
     python -m torch_tvm_gemm compile --target cuda --arch "$ARCH" --preset all --out "$CARRY/pack"
+    if [[ "$ARCH" == sm_90* ]]; then  # the first wgmma kernel (sm_90a, not in the ops yet)
+        python -c "from torch_tvm_gemm.schedules.cuda_wgmma import export_check_kernels; \
+export_check_kernels('$CARRY/wgmma')"
+    fi
     du -sh "$CARRY"
     exit 0
 fi
@@ -47,6 +52,7 @@ python -m pip install --quiet --no-index --find-links "$CARRY/wheels" apache-tvm
 export TVM_GEMM_RUNTIME_LIB_DIR="$PWD/$CARRY/lib"
 export TVM_GEMM_PACK="$PWD/$CARRY/pack"
 export TVM_GEMM_NO_COMPILE=1
+export TVM_GEMM_WGMMA_DIR="$PWD/$CARRY/wgmma"
 export TVM_GEMM_CACHE_DIR=/tmp/tvm_gemm_cache
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -260,3 +260,41 @@ def test_conv_groups_are_rejected_on_cuda():
     w = torch.randn(4, 2, 3, 3, device="cuda", dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="conv2d_bias_relu: argument 'groups'"):
         torch.ops.tvm_gemm.conv2d_bias_relu(x, w, None, 1, 1, 1, 2)
+
+
+# The first TMA + wgmma kernel (schedules/cuda_wgmma.py, not in the ops yet): exported here by
+# benchmarks/gpu_check.sh prepare (sm_90a SASS only) and checked on an H100/H200.
+def _wgmma_kernel(name: str):
+    import os
+    from pathlib import Path
+
+    from torch_tvm_gemm.schedules import cuda_wgmma
+
+    folder = os.environ.get(cuda_wgmma.ENV_CHECK_DIR)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a SASS runs on compute capability 9.0 only")
+    if not folder or not (Path(folder) / name).exists():
+        pytest.skip(f"no exported wgmma kernel ({cuda_wgmma.ENV_CHECK_DIR} unset or empty)")
+    return cuda_wgmma.load_check_kernel(Path(folder) / name)
+
+
+@pytest.mark.parametrize("name", ["plain.so", "bias_relu.so"])
+def test_wgmma_first_kernel_matches_linear(name):
+    from torch_tvm_gemm.schedules.cuda_wgmma import CHECK_SIZE, CHECK_VARIANTS
+
+    kernel = _wgmma_kernel(name)
+    options = CHECK_VARIANTS[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = CHECK_SIZE
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").half()
+
+    a, b, out = rand(n, n), rand(n, n), torch.empty(n, n, device="cuda", dtype=torch.float16)
+    bias = rand(n) if options.get("bias") else None
+    kernel(*[t for t in (a, b, bias) if t is not None], out)
+    torch.cuda.synchronize()
+    want = torch.nn.functional.linear(a.float(), b.float(), None if bias is None else bias.float())
+    if options.get("relu"):
+        want = torch.relu(want)
+    torch.testing.assert_close(out.float(), want, rtol=2 * 2**-10, atol=2 * 2**-10 * n**0.5 / 4)

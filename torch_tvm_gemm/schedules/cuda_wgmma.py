@@ -300,6 +300,34 @@ def export_wgmma(m: int, n: int, k: int, path, **kwargs) -> dict:
     return export_with_binary(compile_wgmma(m, n, k, **kwargs), path, [ARCH])
 
 
+# What benchmarks/gpu_check.sh carries to a GPU machine: (file name, export options), each a
+# 1024^3 kernel, checked there by tests/test_cuda_ops.py and timed by benchmarks/gpu_bench.py.
+CHECK_SIZE = 1024
+CHECK_VARIANTS = {"plain.so": {}, "bias_relu.so": {"bias": True, "relu": True}}
+ENV_CHECK_DIR = "TVM_GEMM_WGMMA_DIR"
+
+
+def export_check_kernels(folder) -> None:
+    """Export ``CHECK_VARIANTS`` into ``folder`` (here, with TVM and nvcc)."""
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name, options in CHECK_VARIANTS.items():
+        export_wgmma(CHECK_SIZE, CHECK_SIZE, CHECK_SIZE, Path(folder) / name, **options)
+
+
+def load_check_kernel(path):
+    """The exported kernel at ``path`` as a callable ``(A, B, [bias,] C)`` (runtime only)."""
+    import tvm_ffi
+
+    from .. import runtime
+
+    runtime.ensure_runtime("cuda")
+    module = tvm_ffi.load_module(str(path))
+    runtime.keep_alive(module)
+    return module["wgmma_gemm"]
+
+
 def ptxas_report(source: str) -> dict:
     """``nvcc -cubin -arch=sm_90a -Xptxas -v``: registers, spills, shared memory (as
     ``cuda_pack.parse_ptxas``) plus ``wgmma_serialized``: ptxas's C7514 remark that it
