@@ -155,8 +155,12 @@ def _launch_on_torch_pool(path: os.PathLike) -> None:
     ext = _ext.load()
     if ext is None or os.environ.get(ENV_TVM_POOL, "") not in ("", "0"):
         return
-    # The kernel library is already loaded: RTLD_NOLOAD hands back the same handle.
-    lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    # The kernel library is already loaded: RTLD_NOLOAD hands back the same handle. Should
+    # the loader not recognise it, the kernel keeps TVM's pool: slower beside torch, correct.
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        return
     barrier = _has_symbol(lib, "__TVMBackendParallelBarrier")
     if barrier or not _has_symbol(lib, "__TVMBackendParallelLaunch"):  # no parallel loop
         return
