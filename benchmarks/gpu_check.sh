@@ -11,6 +11,8 @@
 #        pack/    the kernels of the GPU tests and the benchmark (GEMM and conv2d), cross-
 #                 compiled for the arch (`python -m torch_tvm_gemm compile --preset all`),
 #                 with manifest.json
+#        pack_wmma/  the test kernels again with TVM_GEMM_CUDA_FORCE_WMMA=1: fp16 on the
+#                 Volta/Turing WMMA schedule, checked on this GPU by a second, short pytest
 #        wgmma/   for sm_90: the first TMA + wgmma kernel (docs/wgmma.md), two variants
 #
 # 2. On the GPU machine (H200 image: Python 3.12, torch 2.11 + CUDA 13, no apache-tvm), through
@@ -18,9 +20,10 @@
 #    and the carried folder:
 #        run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
 #    It installs the carried wheels, runs tests/test_cuda_ops.py (kernels from the pack only:
-#    TVM_GEMM_NO_COMPILE=1) and benchmarks/gpu_bench.py, and prints one table. Budget: tests
-#    < 4 min, benchmark < 3 min; each step has its own timeout so the table always prints.
-#    Results are also written to $OUT (gpu_bench.json, pytest.log) when $OUT is set.
+#    TVM_GEMM_NO_COMPILE=1), the fp16 cases again on the forced WMMA schedule, and
+#    benchmarks/gpu_bench.py, and prints one table. Budget: tests < 4 min, WMMA check
+#    < 1.5 min, benchmark < 3 min; each step has its own timeout so the table always prints.
+#    Results are also written to $OUT (gpu_bench.json, pytest*.log) when $OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu_carry
@@ -36,6 +39,9 @@ if [[ "${1:-run}" == "prepare" ]]; then
 print(pathlib.Path(importlib.util.find_spec('tvm').origin).parent / 'lib')")
     cp "$TVM_LIB/libtvm_runtime.so" "$TVM_LIB/libtvm_runtime_cuda.so" "$CARRY/lib/"
     python -m torch_tvm_gemm compile --target cuda --arch "$ARCH" --preset all --out "$CARRY/pack"
+    # The Volta/Turing WMMA schedule, forced for this arch, so that it is checked here too.
+    TVM_GEMM_CUDA_FORCE_WMMA=1 python -m torch_tvm_gemm compile --target cuda --arch "$ARCH" \
+        --preset test --out "$CARRY/pack_wmma"
     if [[ "$ARCH" == sm_90* ]]; then  # the first wgmma kernel (sm_90a, not in the ops yet)
         python -c "from torch_tvm_gemm.schedules.cuda_wgmma import export_check_kernels; \
 export_check_kernels('$CARRY/wgmma')"
@@ -60,6 +66,11 @@ echo "== GPU tests (tests/test_cuda_ops.py)"
 set +e
 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py 2>&1 \
     | tee "$OUT_DIR/pytest.log" | tail -40
+echo "== the WMMA (sm_70/75) schedule forced on this GPU: fp16 GEMM numerics"
+TVM_GEMM_PACK="$PWD/$CARRY/pack_wmma" TVM_GEMM_CUDA_FORCE_WMMA=1 timeout 90 \
+    python -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py \
+    -k "(test_numerics_vs_torch or test_autograd_matches_torch) and float16" 2>&1 \
+    | tee "$OUT_DIR/pytest_wmma.log" | tail -8
 echo "== benchmark vs torch (benchmarks/gpu_bench.py)"
 timeout 200 python benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json"
 status=$?

@@ -296,6 +296,29 @@ def test_wmma_sass_on_volta(tmp_path):
         _check_sass(dict(entry, spec=spec, sass=cuda_pack.sass_by_arch(fatbin)))
 
 
+@needs_nvcc
+@needs_cuobjdump
+def test_forced_wmma_builds_for_hopper_with_its_own_key(monkeypatch, tmp_path):
+    """TVM_GEMM_CUDA_FORCE_WMMA=1 (to check the Volta/Turing schedule on an H200): fp16 gets
+    WMMA on sm_90 too, bf16 keeps mma.sync, and the kernels never share a cache key."""
+    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.cli.compile import parse_op
+    from torch_tvm_gemm.schedules.cuda import ENV_FORCE_WMMA
+
+    (spec,) = parse_op("matmul:float16:256:128", ["gemm"])
+    monkeypatch.setattr(cache.build, "cuda_arch", lambda: "sm_90")  # for the cache key
+    normal_key = cache.full_key(spec)
+    monkeypatch.setenv(ENV_FORCE_WMMA, "1")
+    assert cache.full_key(spec) != normal_key
+    (entry,) = cuda_pack.build_kernels(spec, ["sm_90"], tmp_path)
+    assert entry["schedule"] == "wmma"
+    fatbin = cuda_pack.fatbin_from_library(tmp_path / entry["file"])
+    sass = cuda_pack.sass_by_arch(fatbin)["sm_90"]
+    assert "HMMA" in sass and "LDGSTS" not in sass  # WMMA's plain copies, not cp.async
+    (bf16,) = parse_op("matmul:bfloat16:256:128", ["gemm"])
+    assert cuda_pack.schedule_groups(bf16, ["sm_90"]) == {"mma": ["sm_90"]}
+
+
 def test_sm70_with_cuda13_nvcc_is_a_clear_error(monkeypatch, tmp_path):
     from torch_tvm_gemm.__main__ import main
 

@@ -24,6 +24,7 @@ from typing import Any
 from filelock import FileLock
 
 from . import build
+from .schedules import cuda as cuda_schedules
 from .target import host_cpu
 
 ENV_CACHE_DIR = "TVM_GEMM_CACHE_DIR"
@@ -76,6 +77,8 @@ def full_key(spec) -> dict:
     tuned = tuned_key(spec)
     if tuned is not None:  # absent when untuned: hand kernels keep their existing keys
         key["tuned"] = tuned
+    if spec.family == "gemm" and spec.device == "cuda" and cuda_schedules.forced_wmma():
+        key["forced_schedule"] = "wmma"  # a debugging switch's kernels stay apart
     return key
 
 

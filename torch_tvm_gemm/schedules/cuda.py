@@ -114,11 +114,25 @@ def schedule_kind(spec: GemmSpec, arch: str) -> str:
     sm = arch_number(arch)
     if spec.tf32:
         return "tf32" if sm >= MMA_MIN_ARCH else "simt"
+    if spec.dtype == "float16" and sm >= MIN_ARCH and forced_wmma():
+        return "wmma"
     if spec.dtype in ("float16", "bfloat16") and sm >= MMA_MIN_ARCH:
         return "mma"
     if spec.dtype == "float16" and sm >= MIN_ARCH:
         return "wmma"
     return "simt"
+
+
+# TVM_GEMM_CUDA_FORCE_WMMA=1: fp16 kernels use the WMMA schedule on every arch, so that the
+# Volta/Turing fallback can be checked on the GPU at hand (benchmarks/gpu_check.sh builds a
+# second pack with it for an H200). Such kernels get their own cache key (cache.full_key).
+ENV_FORCE_WMMA = "TVM_GEMM_CUDA_FORCE_WMMA"
+
+
+def forced_wmma() -> bool:
+    import os
+
+    return os.environ.get(ENV_FORCE_WMMA, "") == "1"
 
 
 def uses_tensor_cores(spec: GemmSpec, arch: str) -> bool:
