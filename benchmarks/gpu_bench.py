@@ -52,55 +52,67 @@ def target_of(case: Case) -> float:
     return 1.0 if case.op == "linear" else TARGETS[case.k]
 
 
-def bench(case: Case, reps: int) -> dict:
-    args = case.inputs("cuda")
-    start = time.perf_counter()
-    out = case.run(*args)  # first call: loads the kernel from the pack
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - start
-    err = (out.float() - case.reference(*args).float()).abs().max().item()
-    ours = time_ms(lambda: case.run(*args), reps)
-    theirs = time_ms(torch_version_of(case, args), reps)
-    flops = 2 * case.m * case.n * case.k
+def row(op, dtype, shape, ours, theirs, flops, target, err, first_call_s) -> dict:
+    """One table row: times in ms, throughput in TFLOP/s, ratio = torch time / TVM time."""
     return {
-        "op": case.op + ("+bias+relu" if case.op == "linear" else ""),
-        "dtype": str(case.dtype).replace("torch.", ""),
-        "shape": f"{case.m}x{case.n}x{case.k}",
+        "op": op,
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": shape,
         "tvm_ms": ours,
         "torch_ms": theirs,
         "tvm_tflops": flops / ours / 1e9,
         "torch_tflops": flops / theirs / 1e9,
         "ratio": theirs / ours,
-        "target": target_of(case),
+        "target": target,
         "max_abs_err": err,
-        "first_call_s": load_s,
+        "first_call_s": first_call_s,
     }
+
+
+def first_call(case, args) -> tuple[torch.Tensor, float, float]:
+    """(output, seconds, max |error| vs torch) of the first call, which loads the kernel."""
+    start = time.perf_counter()
+    out = case.run(*args)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - start
+    return out, load_s, (out.float() - case.reference(*args).float()).abs().max().item()
+
+
+def bench(case: Case, reps: int) -> dict:
+    args = case.inputs("cuda")
+    _, load_s, err = first_call(case, args)
+    ours = time_ms(lambda: case.run(*args), reps)
+    theirs = time_ms(torch_version_of(case, args), reps)
+    return row(
+        case.op + ("+bias+relu" if case.op == "linear" else ""),
+        case.dtype,
+        f"{case.m}x{case.n}x{case.k}",
+        ours,
+        theirs,
+        flops=2 * case.m * case.n * case.k,
+        target=target_of(case),
+        err=err,
+        first_call_s=load_s,
+    )
 
 
 def bench_conv(case: ConvCase, reps: int) -> dict:
     args = case.inputs("cuda")
-    start = time.perf_counter()
-    out = case.run(*args)  # first call: loads the kernel from the pack
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - start
-    err = (out.float() - case.reference(*args).float()).abs().max().item()
+    out, load_s, err = first_call(case, args)
     x, w, b, stride, padding, dilation, _, _ = args
     ours = time_ms(lambda: case.run(*args), reps)
     theirs = time_ms(lambda: F.relu(F.conv2d(x, w, b, stride, padding, dilation)), reps)
-    flops = 2 * out.numel() * case.reduction
-    return {
-        "op": "conv+bias+relu",
-        "dtype": str(case.dtype).replace("torch.", ""),
-        "shape": f"{case.c}>{case.k} {case.r}x{case.r} {case.h}",
-        "tvm_ms": ours,
-        "torch_ms": theirs,
-        "tvm_tflops": flops / ours / 1e9,
-        "torch_tflops": flops / theirs / 1e9,
-        "ratio": theirs / ours,
-        "target": None,  # no target set yet
-        "max_abs_err": err,
-        "first_call_s": load_s,
-    }
+    return row(
+        "conv+bias+relu",
+        case.dtype,
+        f"{case.c}>{case.k} {case.r}x{case.r} {case.h}",
+        ours,
+        theirs,
+        flops=2 * out.numel() * case.reduction,
+        target=None,  # no target set yet
+        err=err,
+        first_call_s=load_s,
+    )
 
 
 def bench_wgmma() -> dict | None:
@@ -121,20 +133,8 @@ def bench_wgmma() -> dict | None:
     err = (out.float() - F.linear(a.float(), b.float())).abs().max().item()
     ours = time_ms(lambda: kernel(a, b, out), 20)
     theirs = time_ms(lambda: F.linear(a, b), 20)
-    flops = 2 * n**3
-    return {
-        "op": "wgmma (first)",
-        "dtype": "float16",
-        "shape": f"{n}x{n}x{n}",
-        "tvm_ms": ours,
-        "torch_ms": theirs,
-        "tvm_tflops": flops / ours / 1e9,
-        "torch_tflops": flops / theirs / 1e9,
-        "ratio": theirs / ours,
-        "target": None,
-        "max_abs_err": err,
-        "first_call_s": None,
-    }
+    shape = f"{n}x{n}x{n}"
+    return row("wgmma (first)", torch.float16, shape, ours, theirs, 2 * n**3, None, err, None)
 
 
 def main() -> int:
@@ -153,27 +153,29 @@ def main() -> int:
     for case in [*BENCH_CASES, *CONV_BENCH_CASES, "wgmma"]:
         try:
             if case == "wgmma":
-                row = bench_wgmma()
-                if row is None:
+                result = bench_wgmma()
+                if result is None:
                     continue
             elif case.op == "conv2d":
-                row = bench_conv(case, args.reps)
+                result = bench_conv(case, args.reps)
             else:
-                row = bench(case, args.reps)
+                result = bench(case, args.reps)
         except Exception as err:  # one failing kernel must not hide the others
             print(f"{getattr(case, 'op', case):<16} FAILED: {err}")
             failed += 1
             continue
-        rows.append(row)
+        rows.append(result)
         target = (
             "     -    "
-            if row["target"] is None
-            else (f"{row['target']:>6.1f} {'ok' if row['ratio'] >= row['target'] else 'LOW':<3}")
+            if result["target"] is None
+            else (
+                f"{result['target']:>6.1f} {'ok' if result['ratio'] >= result['target'] else 'LOW':<3}"
+            )
         )
         print(
-            f"{row['op']:<16}{row['dtype']:<10}{row['shape']:<17}{row['tvm_ms']:>9.3f}"
-            f"{row['torch_ms']:>10.3f}{row['tvm_tflops']:>10.1f}{row['torch_tflops']:>11.1f}"
-            f"{row['ratio']:>7.2f}{target}{row['max_abs_err']:>8.1e}",
+            f"{result['op']:<16}{result['dtype']:<10}{result['shape']:<17}{result['tvm_ms']:>9.3f}"
+            f"{result['torch_ms']:>10.3f}{result['tvm_tflops']:>10.1f}{result['torch_tflops']:>11.1f}"
+            f"{result['ratio']:>7.2f}{target}{result['max_abs_err']:>8.1e}",
             flush=True,
         )
     if args.json:

@@ -58,19 +58,11 @@ HMMA = {
 }
 
 
-def _have_nvcc() -> bool:
-    try:
-        cuda_pack.find_nvcc()
-    except NvccNotFoundError:
-        return False
-    return True
-
-
 def _nvcc_has(arch: str) -> bool:
-    return _have_nvcc() and arch in cuda_pack.nvcc_arches(cuda_pack.find_nvcc())
+    return cuda_pack.nvcc_available() and arch in cuda_pack.nvcc_arches(cuda_pack.find_nvcc())
 
 
-needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
+needs_nvcc = pytest.mark.skipif(not cuda_pack.nvcc_available(), reason="nvcc not found")
 needs_cuobjdump = pytest.mark.skipif(
     cuda_pack.find_cuobjdump() is None, reason="cuobjdump not found (nvidia-cuda-cuobjdump)"
 )

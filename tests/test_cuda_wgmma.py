@@ -12,21 +12,11 @@ import re
 import pytest
 
 from torch_tvm_gemm import cuda_pack
-from torch_tvm_gemm.cuda_pack import NvccNotFoundError
 from torch_tvm_gemm.schedules import cuda_wgmma
-
-
-def _have_nvcc() -> bool:
-    try:
-        cuda_pack.find_nvcc()
-    except NvccNotFoundError:
-        return False
-    return True
-
 
 _ok, _why = cuda_wgmma.wgmma_available()
 pytestmark = [
-    pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found"),
+    pytest.mark.skipif(not cuda_pack.nvcc_available(), reason="nvcc not found"),
     pytest.mark.skipif(not _ok, reason=f"TVM tile primitives unavailable: {_why}"),
 ]
 needs_cuobjdump = pytest.mark.skipif(
