@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_bench.py [--reps 20] [--json out.json]
 
-Workloads: ``torch_tvm_gemm.cuda_cases.BENCH_CASES`` (bf16/fp16 GEMM at 512^3, 4096^3,
+Workloads: ``torch_tvm_gemm.tools.cuda_cases.BENCH_CASES`` (bf16/fp16 GEMM at 512^3, 4096^3,
 8192^3; linear + bias + relu at M = N = K = 4096) and ``CONV_BENCH_CASES`` (conv2d + bias +
 relu on ResNet-50 layers, batch 32, channels_last, vs F.relu(F.conv2d) on cuDNN), the kernels
 of ``compile --preset bench``. Targets (issue 4, H200, mma.sync): GEMM 4096^3 / 8192^3 >= 0.8x
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_tvm_gemm  # noqa: F401 (registers the ops)
-from torch_tvm_gemm.cuda_cases import BENCH_CASES, CONV_BENCH_CASES, Case, ConvCase
+from torch_tvm_gemm.tools.cuda_cases import BENCH_CASES, CONV_BENCH_CASES, Case, ConvCase
 
 TARGETS = {512: 0.7, 4096: 0.8, 8192: 0.8}
 
@@ -121,7 +121,7 @@ def bench_wgmma() -> dict | None:
     import os
     from pathlib import Path
 
-    from torch_tvm_gemm.schedules.cuda_wgmma import CHECK_SIZE, ENV_CHECK_DIR, load_check_kernel
+    from torch_tvm_gemm.compiler.wgmma import CHECK_SIZE, ENV_CHECK_DIR, load_check_kernel
 
     path = Path(os.environ.get(ENV_CHECK_DIR, "/nonexistent")) / "plain.so"
     if torch.cuda.get_device_capability() != (9, 0) or not path.exists():

@@ -43,7 +43,7 @@ print(pathlib.Path(importlib.util.find_spec('tvm').origin).parent / 'lib')")
     TVM_GEMM_CUDA_FORCE_WMMA=1 python -m torch_tvm_gemm compile --target cuda --arch "$ARCH" \
         --preset test --out "$CARRY/pack_wmma"
     if [[ "$ARCH" == sm_90* ]]; then  # the first wgmma kernel (sm_90a, not in the ops yet)
-        python -c "from torch_tvm_gemm.schedules.cuda_wgmma import export_check_kernels; \
+        python -c "from torch_tvm_gemm.compiler.wgmma import export_check_kernels; \
 export_check_kernels('$CARRY/wgmma')"
     fi
     du -sh "$CARRY"

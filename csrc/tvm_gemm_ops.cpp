@@ -231,7 +231,7 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
 // TVM's CPU thread pool is per calling thread; follow torch.set_num_threads. The pool itself
 // is asked how many threads it has (one FFI call, ~0.1 us), so this path and the Python one
 // never trust a stale record of what the other set. On a mismatch (rare: after
-// torch.set_num_threads), Python's runtime.sync_threads reconfigures it, CPU affinity
+// torch.set_num_threads), Python's runtime.loader.sync_threads reconfigures it, CPU affinity
 // handling included: one implementation.
 void sync_threads() {
   // Registered by libtvm_runtime.so, which Python loaded before handing us the first kernel.
@@ -239,7 +239,7 @@ void sync_threads() {
       new tvm::ffi::Function(tvm::ffi::Function::GetGlobalRequired("runtime.NumThreads"));
   if ((*num_threads)().cast<int>() == at::get_num_threads()) return;
   py::gil_scoped_acquire gil;
-  py::module_::import("torch_tvm_gemm.runtime").attr("sync_threads")();
+  py::module_::import("torch_tvm_gemm.runtime.loader").attr("sync_threads")();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_tvm_gemm import cache, runtime
 from torch_tvm_gemm.kernels.gemm import GemmSpec
+from torch_tvm_gemm.runtime import cache, loader
 
 # A child process that runs one linear and reports whether it had to import the compiler.
 CHILD = textwrap.dedent(
@@ -126,7 +126,7 @@ def test_key_changes_with_what_changes_the_binary():
 def test_threads_follow_torch():
     import tvm_ffi
 
-    runtime.ensure_runtime()
+    loader.ensure_runtime()
     tvm_threads = tvm_ffi.get_global_func("runtime.NumThreads")
     before = torch.get_num_threads()
     a = torch.randn(64, 64)
@@ -138,7 +138,7 @@ def test_threads_follow_torch():
         # The pool set from Python, then a call on whichever impl path is active: each path
         # must see the pool as it is (a stale per-path record once left it at 1 thread).
         torch.set_num_threads(1)
-        runtime.sync_threads()
+        loader.sync_threads()
         torch.set_num_threads(before)
         torch.ops.tvm_gemm.matmul(a, a)
         assert tvm_threads() == before

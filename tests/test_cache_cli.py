@@ -8,11 +8,11 @@ import tarfile
 
 import pytest
 
-from torch_tvm_gemm import cache
 from torch_tvm_gemm.__main__ import main
 from torch_tvm_gemm.cli.cache import parse_size
 from torch_tvm_gemm.kernels.gemm import GemmSpec
-from torch_tvm_gemm.runtime import clear_table
+from torch_tvm_gemm.runtime import cache
+from torch_tvm_gemm.runtime.table import clear_table
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_close, randn
 
-from torch_tvm_gemm import _ext, ops, runtime
+from torch_tvm_gemm import _ext, ops
+from torch_tvm_gemm.runtime import table
 
 EXT = _ext.load()
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"C++ extension not built ({_ext.load_error})")
@@ -248,7 +249,7 @@ def test_same_errors(name):
 
 def test_kernel_build_error_surfaces(impl, monkeypatch):
     """A failure inside the Python miss handler reaches the caller unchanged."""
-    from torch_tvm_gemm.cache import KernelNotCachedError
+    from torch_tvm_gemm.runtime.cache import KernelNotCachedError
 
     monkeypatch.setenv("TVM_GEMM_NO_COMPILE", "1")
     a, b = randn(3, 5), randn(5, 1013)  # N = 1013: a kernel no other test builds
@@ -267,7 +268,7 @@ def test_threads(impl, fresh_table):
     for a, b in inputs:  # build the kernels first: the race is on the table, not the compiler
         mm(a, b)
     if fresh_table:
-        runtime.clear_table()
+        table.clear_table()
     errors: list[BaseException] = []
     barrier = threading.Barrier(4)
 
@@ -326,7 +327,7 @@ def test_clear_table_clears_cpp_table():
         pytest.skip("C++ extension not built")
     _run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))
     assert EXT.table_size() > 0
-    runtime.clear_table()
+    table.clear_table()
     assert EXT.table_size() == 0
     out = _run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))  # reloads through Python
     assert out.shape == (4, 3)

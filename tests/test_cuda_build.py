@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from torch_tvm_gemm import cuda_pack
-from torch_tvm_gemm.cuda_pack import NvccNotFoundError
+from torch_tvm_gemm.compiler import cuda_pack, pack_writer
+from torch_tvm_gemm.compiler.cuda_pack import NvccNotFoundError
+from torch_tvm_gemm.runtime import pack_loader
 
 ARCHES = ("sm_80", "sm_90")
 # Per-block shared memory a kernel may use (opt-in maximum), per arch.
@@ -104,7 +105,7 @@ def _entries(pack: Path) -> list[dict]:
     entries = []
     for entry in manifest["kernels"]:
         fatbin = cuda_pack.fatbin_from_library(pack / entry["file"])
-        entry = dict(entry, spec=cuda_pack.spec_from_key(entry["key"]), fatbin=fatbin)
+        entry = dict(entry, spec=pack_loader.spec_from_key(entry["key"]), fatbin=fatbin)
         if cuda_pack.find_cuobjdump():
             entry["sass"] = cuda_pack.sass_by_arch(fatbin)
             entry["usage"] = _resource_usage(fatbin)
@@ -209,7 +210,7 @@ def test_compile_cli_rejects_old_arches(tmp_path):
 
 
 def test_pack_presets_cover_backward_kernels():
-    from torch_tvm_gemm.cuda_cases import GRAD_CASES, record_specs
+    from torch_tvm_gemm.tools.cuda_cases import GRAD_CASES, record_specs
 
     specs = record_specs(GRAD_CASES[:1], backward=True)  # bf16 matmul: forward, dA, dB
     assert {s.device for s in specs} == {"cuda"}
@@ -227,10 +228,10 @@ def test_missing_nvcc_message(monkeypatch):
 
 
 def test_runtime_lib_dir_from_env(monkeypatch, tmp_path):
-    from torch_tvm_gemm import runtime
+    from torch_tvm_gemm.runtime import loader
 
-    monkeypatch.setenv(runtime.ENV_RUNTIME_LIB_DIR, str(tmp_path))
-    assert runtime.tvm_lib_dir() == tmp_path
+    monkeypatch.setenv(loader.ENV_RUNTIME_LIB_DIR, str(tmp_path))
+    assert loader.tvm_lib_dir() == tmp_path
 
 
 # --- nvcc: every kernel compiles for both arches ----------------------------------------------
@@ -282,7 +283,7 @@ def test_wmma_sass_on_volta(tmp_path):
     from torch_tvm_gemm.cli.compile import parse_op
 
     for spec in parse_op("linear:float16:200:136:bias+gelu", ["gemm", "gemv"]):
-        (entry,) = cuda_pack.build_kernels(spec, ["sm_70"], tmp_path)
+        (entry,) = pack_writer.build_kernels(spec, ["sm_70"], tmp_path)
         assert entry["schedule"] == "wmma"
         fatbin = cuda_pack.fatbin_from_library(tmp_path / entry["file"])
         _check_sass(dict(entry, spec=spec, sass=cuda_pack.sass_by_arch(fatbin)))
@@ -293,22 +294,22 @@ def test_wmma_sass_on_volta(tmp_path):
 def test_forced_wmma_builds_for_hopper_with_its_own_key(monkeypatch, tmp_path):
     """TVM_GEMM_CUDA_FORCE_WMMA=1 (to check the Volta/Turing schedule on an H200): fp16 gets
     WMMA on sm_90 too, bf16 keeps mma.sync, and the kernels never share a cache key."""
-    from torch_tvm_gemm import cache
     from torch_tvm_gemm.cli.compile import parse_op
+    from torch_tvm_gemm.runtime import cache
     from torch_tvm_gemm.schedules.cuda import ENV_FORCE_WMMA
 
     (spec,) = parse_op("matmul:float16:256:128", ["gemm"])
-    monkeypatch.setattr(cache.build, "cuda_arch", lambda: "sm_90")  # for the cache key
+    monkeypatch.setattr(cache, "device_key", lambda device: "cuda-sm_90")  # no GPU here
     normal_key = cache.full_key(spec)
     monkeypatch.setenv(ENV_FORCE_WMMA, "1")
     assert cache.full_key(spec) != normal_key
-    (entry,) = cuda_pack.build_kernels(spec, ["sm_90"], tmp_path)
+    (entry,) = pack_writer.build_kernels(spec, ["sm_90"], tmp_path)
     assert entry["schedule"] == "wmma"
     fatbin = cuda_pack.fatbin_from_library(tmp_path / entry["file"])
     sass = cuda_pack.sass_by_arch(fatbin)["sm_90"]
     assert "HMMA" in sass and "LDGSTS" not in sass  # WMMA's plain copies, not cp.async
     (bf16,) = parse_op("matmul:bfloat16:256:128", ["gemm"])
-    assert cuda_pack.schedule_groups(bf16, ["sm_90"]) == {"mma": ["sm_90"]}
+    assert pack_writer.schedule_groups(bf16, ["sm_90"]) == {"mma": ["sm_90"]}
 
 
 def test_sm70_with_cuda13_nvcc_is_a_clear_error(monkeypatch, tmp_path):
@@ -352,15 +353,15 @@ def test_schedule_by_arch_and_dtype():
 def test_tf32_is_its_own_kernel(monkeypatch):
     """The TF32 and exact fp32 kernels never share a cache entry; keys of kernels without
     TF32 are what they were before the field existed."""
-    from torch_tvm_gemm import cache
     from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.runtime import cache
 
     exact = GemmSpec("float32", 64, 32, "nk", device="cuda")
     tf32 = GemmSpec("float32", 64, 32, "nk", device="cuda", tf32=True)
     assert "tf32" not in exact.key() and tf32.key()["tf32"] is True
     assert exact.name() != tf32.name()
-    assert cuda_pack.spec_from_key(tf32.key()) == tf32
-    assert cuda_pack.spec_from_key(exact.key()) == exact
+    assert pack_loader.spec_from_key(tf32.key()) == tf32
+    assert pack_loader.spec_from_key(exact.key()) == exact
     monkeypatch.setattr(cache, "device_key", lambda device: "cuda-sm_80")  # no GPU here
     assert cache.kernel_path(exact) != cache.kernel_path(tf32)
     for bad in (("float16", "cuda"), ("float32", "cpu")):
@@ -371,7 +372,7 @@ def test_tf32_is_its_own_kernel(monkeypatch):
 def test_allow_tf32_flag_picks_the_kernel():
     """ops.gemm reads torch.backends.cuda.matmul.allow_tf32 at every call (here through the
     recorder that pretends to be on an sm_80+ GPU)."""
-    from torch_tvm_gemm.cuda_cases import TF32_CASES, record_specs
+    from torch_tvm_gemm.tools.cuda_cases import TF32_CASES, record_specs
 
     exact = record_specs(TF32_CASES[:2])
     fast = record_specs(TF32_CASES[:2], tf32=True)
@@ -413,8 +414,8 @@ def test_registers_and_shared_memory_fit_the_launch(kernels, old_kernels):
 @needs_nvcc
 def test_ptxas_verbose_on_generated_source():
     """``ptxas -v`` on TVM's source: registers within __launch_bounds__, no spills."""
-    from torch_tvm_gemm import build
     from torch_tvm_gemm.cli.compile import parse_op
+    from torch_tvm_gemm.compiler import build
     from torch_tvm_gemm.schedules.cuda import launch_config
 
     (spec,) = parse_op("linear:bfloat16:128:64:bias+relu", ["gemm"])
@@ -433,7 +434,7 @@ def test_pack_loads_with_the_cuda_runtime_only(pack, tmp_path):
     process without ``tvm`` on the path, against a stub libcuda (no GPU here: not run)."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc needed for the stub libcuda")
-    from torch_tvm_gemm.runtime import tvm_lib_dir
+    from torch_tvm_gemm.runtime.loader import tvm_lib_dir
 
     stub = tmp_path / "libcuda.so.1"
     src = tmp_path / "stub.c"
@@ -491,7 +492,7 @@ def conv_kernels(tmp_path_factory) -> list[dict]:
     entries = []
     for entry in manifest["kernels"]:
         fatbin = cuda_pack.fatbin_from_library(out / entry["file"])
-        entry = dict(entry, spec=cuda_pack.spec_from_key(entry["key"]), fatbin=fatbin)
+        entry = dict(entry, spec=pack_loader.spec_from_key(entry["key"]), fatbin=fatbin)
         if cuda_pack.find_cuobjdump():
             entry["sass"] = cuda_pack.sass_by_arch(fatbin)
             entry["usage"] = _resource_usage(fatbin)
@@ -516,13 +517,13 @@ def test_compile_cli_parses_conv_ops():
 
 
 def test_conv_pack_presets_and_keys_round_trip():
-    from torch_tvm_gemm.cuda_cases import CONV_TEST_CASES, pack_specs
+    from torch_tvm_gemm.tools.cuda_cases import CONV_TEST_CASES, pack_specs
 
     specs = [s for s in pack_specs("test") if s.family == "conv2d"]
     assert {s.device for s in specs} == {"cuda"} and all(s.groups == 1 for s in specs)
     assert {case.spec() for case in CONV_TEST_CASES} <= set(specs)
     for spec in specs:  # what a pack manifest stores gives the same spec back
-        assert cuda_pack.spec_from_key(json.loads(json.dumps(spec.key()))) == spec
+        assert pack_loader.spec_from_key(json.loads(json.dumps(spec.key()))) == spec
 
 
 @needs_nvcc
@@ -570,8 +571,8 @@ def test_conv_registers_and_shared_memory_fit_the_launch(conv_kernels):
 def test_conv_ptxas_verbose_on_generated_source():
     """``ptxas -v`` on a conv kernel's source: registers within __launch_bounds__, no spills,
     shared memory all dynamic (the launch configuration's)."""
-    from torch_tvm_gemm import build
     from torch_tvm_gemm.cli.compile import parse_conv_op
+    from torch_tvm_gemm.compiler import build
     from torch_tvm_gemm.schedules.cuda_conv2d import launch_config
 
     spec = parse_conv_op("conv2d:float16:32:136:3x3:15x13:s2:p1")

@@ -3,7 +3,7 @@ graphs, bad input. Skipped when torch.cuda.is_available() is false.
 
 Kernels come from a pack (``TVM_GEMM_PACK``, built elsewhere with ``python -m torch_tvm_gemm
 compile --preset test``) or are built here when apache-tvm and nvcc are installed. The
-workloads are the table of ``torch_tvm_gemm.cuda_cases``, which is also what ``--preset
+workloads are the table of ``torch_tvm_gemm.tools.cuda_cases``, which is also what ``--preset
 test`` builds.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from torch_tvm_gemm.cuda_cases import (
+from torch_tvm_gemm.tools.cuda_cases import (
     CONV_GRAD_CASES,
     CONV_TEST_CASES,
     GRAD_CASES,
@@ -268,7 +268,7 @@ def _wgmma_kernel(name: str):
     import os
     from pathlib import Path
 
-    from torch_tvm_gemm.schedules import cuda_wgmma
+    from torch_tvm_gemm.compiler import wgmma as cuda_wgmma
 
     folder = os.environ.get(cuda_wgmma.ENV_CHECK_DIR)
     if torch.cuda.get_device_capability() != (9, 0):
@@ -280,7 +280,7 @@ def _wgmma_kernel(name: str):
 
 @pytest.mark.parametrize("name", ["plain.so", "bias_relu.so"])
 def test_wgmma_first_kernel_matches_linear(name):
-    from torch_tvm_gemm.schedules.cuda_wgmma import CHECK_SIZE, CHECK_VARIANTS
+    from torch_tvm_gemm.compiler.wgmma import CHECK_SIZE, CHECK_VARIANTS
 
     kernel = _wgmma_kernel(name)
     options = CHECK_VARIANTS[name]

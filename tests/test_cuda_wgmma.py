@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from torch_tvm_gemm import cuda_pack
+from torch_tvm_gemm.compiler import cuda_pack, wgmma
 from torch_tvm_gemm.schedules import cuda_wgmma
 
 _ok, _why = cuda_wgmma.wgmma_available()
@@ -31,7 +31,7 @@ VARIANTS = {"plain": {}, "bias_relu": {"bias": True, "relu": True}}
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def built(request) -> dict:
     kwargs = VARIANTS[request.param]
-    source = cuda_wgmma.wgmma_cuda_source(*SIZE, **kwargs)
+    source = wgmma.wgmma_cuda_source(*SIZE, **kwargs)
     return {"name": request.param, "source": source, **kwargs}
 
 
@@ -39,7 +39,7 @@ def built(request) -> dict:
 def sass(built) -> str:
     if cuda_pack.find_cuobjdump() is None:
         pytest.skip("cuobjdump not found (nvidia-cuda-cuobjdump)")
-    fatbin = cuda_wgmma.wgmma_fatbin(built["source"])
+    fatbin = wgmma.wgmma_fatbin(built["source"])
     sections = cuda_pack.sass_by_arch(fatbin)
     assert list(sections) == ["sm_90a"]
     return sections["sm_90a"]
@@ -78,7 +78,7 @@ def test_wgmma_not_serialized_in_sass(sass):
 
 
 def test_ptxas_resources(built):
-    report = cuda_wgmma.ptxas_report(built["source"])
+    report = wgmma.ptxas_report(built["source"])
     assert not report["wgmma_serialized"], report["log"][-2000:]
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0
     # 3 warpgroups (producer + 2 consumers) x 128 threads within the 64K register file
@@ -100,7 +100,7 @@ def test_bad_shapes_rejected():
 
 def test_export_library_holds_sm90a_sass(tmp_path):
     path = tmp_path / "wgmma.so"
-    facts = cuda_wgmma.export_wgmma(*SIZE, path)
+    facts = wgmma.export_wgmma(*SIZE, path)
     assert facts["arches"] == ["sm_90a"]
     fatbin = cuda_pack.fatbin_from_library(path)
     if cuda_pack.find_cuobjdump():

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import assert_close, randn
 
-from torch_tvm_gemm import ladder
 from torch_tvm_gemm.__main__ import main
+from torch_tvm_gemm.tools import ladder
 
 
 @pytest.mark.parametrize("step", ladder.HAND_STEPS, ids=lambda s: s.name)

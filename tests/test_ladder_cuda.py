@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_tvm_gemm import ladder_cuda as lc
+from torch_tvm_gemm.tools import ladder_cuda as lc
 
 FEATURES = {
     "simple": [],

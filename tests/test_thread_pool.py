@@ -11,7 +11,8 @@ import torch
 from conftest import assert_close, randn
 
 import torch_tvm_gemm as tg
-from torch_tvm_gemm import _ext, cache, runtime
+from torch_tvm_gemm import _ext
+from torch_tvm_gemm.runtime import cache, loader
 
 needs_ext = pytest.mark.skipif(_ext.load() is None, reason="C++ extension not built")
 
@@ -38,7 +39,7 @@ def _ops_outputs() -> list[torch.Tensor]:
 @needs_ext
 def test_loaded_cpu_kernels_launch_on_torch_pool():
     _ops_outputs()
-    pools = {p: runtime.parallel_launcher(p) for p in _loaded_kernel_files()}
+    pools = {p: loader.parallel_launcher(p) for p in _loaded_kernel_files()}
     assert "torch" in pools.values(), pools
     assert "tvm" not in pools.values(), pools
 
@@ -68,9 +69,9 @@ def test_tvm_pool_opt_out_gives_the_same_results(tmp_path):
         "import torch, sys\n"
         "sys.path.insert(0, 'tests')\n"
         "from test_thread_pool import _ops_outputs, _loaded_kernel_files\n"
-        "from torch_tvm_gemm import runtime\n"
+        "from torch_tvm_gemm.runtime import loader\n"
         "torch.save(_ops_outputs(), sys.argv[1])\n"
-        "print(sorted({runtime.parallel_launcher(p) for p in _loaded_kernel_files()} - {None}))\n"
+        "print(sorted({loader.parallel_launcher(p) for p in _loaded_kernel_files()} - {None}))\n"
     )
     env = dict(os.environ, TVM_GEMM_TVM_POOL="1")
     out = tmp_path / "out.pt"

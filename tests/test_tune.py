@@ -16,8 +16,9 @@ import pytest
 import torch
 from conftest import assert_close, randn
 
-from torch_tvm_gemm import build, cache, tune
+from torch_tvm_gemm.compiler import build, tune, tune_space
 from torch_tvm_gemm.kernels.gemm import GemmSpec
+from torch_tvm_gemm.runtime import cache, records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def run_cli(*args: str, cache_dir: Path) -> str:
 
 
 def record_lines(spec: GemmSpec) -> list[str]:
-    path = tune.tuning_dir(spec) / "database_tuning_record.json"
+    path = records.tuning_dir(spec) / "database_tuning_record.json"
     return [line for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -64,7 +65,7 @@ def test_tuning_persists_and_a_new_process_reuses_it(cache_home):
     assert "3 trials (0 new)" in again, again  # nothing re-measured
     spec = GemmSpec("float32", 40, None, "kn")  # ops.matmul's kernel: symbolic K
     assert len(record_lines(spec)) == 3
-    best = json.loads((tune.tuning_dir(spec) / "best.json").read_text())
+    best = json.loads((records.tuning_dir(spec) / "best.json").read_text())
     assert best["m"] == 33 and best["k"] == 24 and best["trials"] == 3
 
 
@@ -80,7 +81,7 @@ def test_kept_record_is_used_by_builds_and_changes_the_key(cache_home):
     spec = spec_of(bias=True, activation="relu")
     hand_path = cache.kernel_path(spec)
     tune.tune_spec(spec, 20, trials=2, progress=False)
-    best_path = tune.tuning_dir(spec) / "best.json"
+    best_path = records.tuning_dir(spec) / "best.json"
     best = json.loads(best_path.read_text())
     best["kept"] = True  # whether it won on 2 shared cores is noise: force the verdict
     best_path.write_text(json.dumps(best))
@@ -96,13 +97,13 @@ def test_kept_record_is_used_by_builds_and_changes_the_key(cache_home):
     best["kept"] = False  # a lost verdict: back to the hand schedule and its key
     best_path.write_text(json.dumps(best))
     assert cache.kernel_path(spec) == hand_path
-    assert tune.tuned_module(spec) is None
+    assert tune_space.tuned_module(spec) is None
 
 
 def test_corrupt_database_record_is_skipped_with_a_warning(cache_home):
     spec = spec_of()
     tune.tune_spec(spec, 20, trials=2, progress=False)
-    path = tune.tuning_dir(spec) / "database_tuning_record.json"
+    path = records.tuning_dir(spec) / "database_tuning_record.json"
     good = record_lines(spec)
     with path.open("a") as f:
         f.write('[0, [["truncated", \n')  # a torn write
@@ -115,10 +116,10 @@ def test_corrupt_database_record_is_skipped_with_a_warning(cache_home):
 
 def test_corrupt_verdict_falls_back_to_the_hand_schedule(cache_home):
     spec = spec_of()
-    tune.tuning_dir(spec).mkdir(parents=True)
-    (tune.tuning_dir(spec) / "best.json").write_text('{"trace": [[')
+    records.tuning_dir(spec).mkdir(parents=True)
+    (records.tuning_dir(spec) / "best.json").write_text('{"trace": [[')
     with pytest.warns(RuntimeWarning, match="corrupt"):
-        assert tune.tuned_module(spec) is None
+        assert tune_space.tuned_module(spec) is None
     assert "tuned" not in cache.full_key(spec)
 
 
@@ -165,11 +166,11 @@ def test_rpc_tuning_on_loopback(cache_home):
             spec, 20, trials=2, rpc=("127.0.0.1", tracker.port, "tvm-gemm-test"), progress=False
         )
         assert res.new_trials == 2, res
-        assert (tune.tuning_dir(spec) / "best.json").exists()
+        assert (records.tuning_dir(spec) / "best.json").exists()
         # Measured for real over RPC: a failed run is recorded with a 1e10 s sentinel.
-        mod = IRModule({"main": tune.tuned_compute(spec, 20)})
-        records = tune._records(tune.open_database(tune.tuning_dir(spec)), mod)
-        assert len(records) == 2 and all(tune._seconds(r) < 1.0 for r in records)
+        mod = IRModule({"main": tune_space.tuned_compute(spec, 20)})
+        found = tune._records(tune.open_database(records.tuning_dir(spec)), mod)
+        assert len(found) == 2 and all(tune._seconds(r) < 1.0 for r in found)
     finally:
         server.terminate()
         tracker.terminate()
@@ -190,7 +191,7 @@ def test_tune_every_linear_of_a_model(cache_home, tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert out.count("2 trials (2 new)") == 2, out
     for spec in (GemmSpec("float32", 40, 24, "nk", True), GemmSpec("float32", 8, 40, "nk")):
-        assert (tune.tuning_dir(spec) / "best.json").exists()
+        assert (records.tuning_dir(spec) / "best.json").exists()
 
 
 @pytest.mark.slow
@@ -211,9 +212,9 @@ def test_ctrl_c_stops_between_rounds_and_the_rerun_resumes(cache_home):
         # a background job may inherit SIGINT ignored: give the child the default
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    records = tune.tuning_dir(spec) / "database_tuning_record.json"
+    db = records.tuning_dir(spec) / "database_tuning_record.json"
     deadline = time.monotonic() + 120
-    while not (records.exists() and records.read_text().strip()):
+    while not (db.exists() and db.read_text().strip()):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)

@@ -18,8 +18,9 @@ import tvm_ffi
 from torch import Tensor
 
 from . import _ext
-from .kernels.gemm import ACTIVATIONS, GemmSpec
-from .runtime import get_kernel, on_clear_table, sync_threads
+from .kernels.gemm import ACTIVATIONS, TORCH_ACTIVATIONS, GemmSpec
+from .runtime.loader import sync_threads
+from .runtime.table import get_kernel, on_clear_table
 from .schedules.cpu import GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
 
 LIB = torch.library.Library("tvm_gemm", "DEF")  # noqa: TOR901 (ops defined here, once)
@@ -160,12 +161,6 @@ def check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
 
 # --- the kernel call ------------------------------------------------------------------------
 
-_ACT_FN: dict[str, Callable[[Tensor], Tensor]] = {
-    "none": lambda t: t,
-    "relu": torch.relu,
-    "gelu": torch.nn.functional.gelu,
-}
-
 
 def _device_name(t: Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu"
@@ -250,7 +245,7 @@ def gemm(
             if bias is not None
             else torch.zeros_like(out)
         )
-        return out.copy_(_ACT_FN[activation](zero))
+        return out.copy_(TORCH_ACTIVATIONS[activation](zero))
     device = _device_name(a)
     cuda = device == "cuda"
     if a.is_cuda:

@@ -57,11 +57,23 @@ def host_cpu() -> CpuInfo:
     return CpuInfo(platform.machine(), model, frozenset(flags))
 
 
-def llvm_target_json() -> dict:
-    """The TVM target for this host (imports tvm: call only when building)."""
-    from tvm.target import codegen
+def cuda_arch(device_index: int | None = None) -> str:
+    """``sm_XY`` of this process's current (or the given) GPU; needs a GPU."""
+    import torch
 
-    target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
-    if host_cpu().arch == "aarch64":
-        target["mtriple"] = "aarch64-linux-gnu"
-    return target
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "torch_tvm_gemm: no CUDA GPU here to build for; cross-compile with "
+            "`python -m torch_tvm_gemm compile --target cuda --arch sm_80,...`"
+        )
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def device_key(device: str) -> str:
+    """The target part of a kernel's cache key: this CPU, or the current GPU's arch."""
+    if device == "cpu":
+        return host_cpu().key()
+    if device == "cuda":
+        return f"cuda-{cuda_arch()}"
+    return device

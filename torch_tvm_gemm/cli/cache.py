@@ -68,7 +68,7 @@ def run(args) -> int:
 
 
 def _list(args) -> int:
-    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.runtime import cache
 
     rows = cache.entries()
     if not rows:
@@ -87,7 +87,7 @@ def _list(args) -> int:
 
 
 def _info(args) -> int:
-    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.runtime import cache
 
     rows = cache.entries()
     tuned = list(cache.tuning_root().glob("*/best.json")) if cache.tuning_root().exists() else []
@@ -100,7 +100,7 @@ def _info(args) -> int:
 
 
 def _prune(args) -> int:
-    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.runtime import cache
 
     before = cache.total_size()
     removed = cache.prune(args.max_size)
@@ -112,7 +112,7 @@ def _prune(args) -> int:
 
 
 def _clear(args) -> int:
-    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.runtime import cache
 
     n = cache.clear(tuning=not args.keep_tuning)
     print(f"removed {n} file(s) from {cache.cache_dir()}")
@@ -120,7 +120,7 @@ def _clear(args) -> int:
 
 
 def _export(args) -> int:
-    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.runtime import cache
 
     n = cache.export_cache(args.path)
     print(f"wrote {n} file(s) to {args.path}")
@@ -128,7 +128,7 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    from torch_tvm_gemm import cache
+    from torch_tvm_gemm.runtime import cache
 
     if not args.path.exists():
         print(f"cache import: {args.path} does not exist")

@@ -117,7 +117,7 @@ def parse_conv_op(text: str):
 
 
 def run(args) -> int:
-    from .. import cuda_pack
+    from ..compiler import cuda_pack, pack_writer
     from ..schedules.cuda import MIN_ARCH, arch_number
 
     arches = cuda_pack.normalize_arches(args.arch)
@@ -132,7 +132,7 @@ def run(args) -> int:
     variants = [v for v in args.variants.split(",") if v]
     specs = []
     if args.preset:
-        from ..cuda_cases import pack_specs
+        from ..tools.cuda_cases import pack_specs
 
         specs += pack_specs(args.preset)
     for text in args.ops:
@@ -142,6 +142,6 @@ def run(args) -> int:
         raise SystemExit("compile: nothing to build (give --ops or --preset)")
     print(f"building {len(specs)} CUDA kernels for {', '.join(arches)} into {args.out}")
     start = time.perf_counter()
-    manifest = cuda_pack.write_pack(specs, arches, args.out)
+    manifest = pack_writer.write_pack(specs, arches, args.out)
     print(f"wrote {manifest} in {time.perf_counter() - start:.0f} s")
     return 0

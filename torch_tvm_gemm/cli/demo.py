@@ -16,7 +16,7 @@ def run(args) -> int:
     import torch.nn.functional as F
 
     import torch_tvm_gemm as tg
-    from torch_tvm_gemm.cache import kernels_dir
+    from torch_tvm_gemm.config import kernels_dir
 
     dev = args.device
     print(f"torch_tvm_gemm demo on {dev}; kernel cache: {kernels_dir()}")

@@ -34,7 +34,7 @@ def register(sub) -> None:
 def run(args) -> int:
     if args.device == "cuda":
         return run_cuda(args)
-    from torch_tvm_gemm import ladder
+    from torch_tvm_gemm.tools import ladder
 
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     report = _header()
@@ -74,7 +74,7 @@ def run(args) -> int:
 def run_cuda(args) -> int:
     """The CUDA steps compile for sm_80 here; timing them needs a GPU with TVM's runtime,
     which this command does not drive yet: it reports what compiled."""
-    from torch_tvm_gemm import ladder_cuda as lc
+    from torch_tvm_gemm.tools import ladder_cuda as lc
 
     size = max(int(s) for s in args.sizes.split(",") if s.strip())
     print(f"CUDA ladder, {size}^3, compiled for {lc.CUDA_TARGET['arch']} (not timed: no GPU run)")
@@ -91,7 +91,7 @@ def run_cuda(args) -> int:
 def _header() -> dict:
     import torch
 
-    from torch_tvm_gemm.cache import _version
+    from torch_tvm_gemm.config import dist_version as _version
     from torch_tvm_gemm.target import host_cpu
 
     return {

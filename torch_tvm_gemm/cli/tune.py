@@ -113,7 +113,8 @@ def parse_rpc(args) -> tuple[str, int, str] | None:
 
 
 def run(args) -> int:
-    from torch_tvm_gemm import tune
+    from torch_tvm_gemm import config
+    from torch_tvm_gemm.compiler import tune
 
     jobs = model_jobs(args) if args.model else shape_jobs(args)
     rpc = parse_rpc(args)
@@ -141,5 +142,5 @@ def run(args) -> int:
             f"{name}: {res.trials} trials ({res.new_trials} new), tuned {tuned} GFLOPS vs "
             f"hand {hand}: {'kept' if res.kept else 'not kept'} ({res.reason})"
         )
-    print(f"{kept} tuned kernel(s) kept; database: {tune.tuning_root()}")
+    print(f"{kept} tuned kernel(s) kept; database: {config.tuning_root()}")
     return 0

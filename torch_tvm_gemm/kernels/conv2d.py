@@ -69,13 +69,7 @@ class Conv2dSpec:
         return _out_size(self.w, self.s, self.stride[1], self.padding[1], self.dilation[1])
 
     def key(self) -> dict:
-        # The conv schedule's version is part of the key: a changed schedule is rebuilt.
-        if self.device == "cuda":
-            from ..schedules.cuda_conv2d import SCHEDULE_VERSION
-        else:
-            from ..schedules.cpu_conv2d import SCHEDULE_VERSION
-
-        return {"family": self.family, "conv_schedule_version": SCHEDULE_VERSION, **asdict(self)}
+        return {"family": self.family, **asdict(self)}
 
     def name(self) -> str:
         geo = "_".join(

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 ACTIVATIONS = ("none", "relu", "gelu")
+
+
+# What each epilogue computes, in torch: the reference the kernels are checked against, and
+# the ops' result for an empty reduction (K = 0).
+TORCH_ACTIVATIONS = {"none": lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 

@@ -1,0 +1,38 @@
+"""How each kernel family runs on each target: one module per (family, target).
+
+| family | cpu | cuda |
+|---|---|---|
+| gemm | ``cpu.schedule_gemm`` | ``cuda.schedule_gemm`` (mma.sync / WMMA / TF32 / SIMT) |
+| conv2d | ``cpu_conv2d.schedule_conv2d`` | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
+
+``cuda_intrin`` holds the tensor-core intrinsics, ``cuda_wgmma`` the Hopper TMA + wgmma
+kernel. Each schedule module has its own ``SCHEDULE_VERSION``; ``version(family, device)``
+is what the kernel cache key holds, so a change to one schedule rebuilds only its kernels.
+The modules import ``tvm`` only inside their functions: importing them here is cheap.
+"""
+
+from __future__ import annotations
+
+from . import cpu, cpu_conv2d, cuda, cuda_conv2d
+
+_MODULES = {
+    ("gemm", "cpu"): cpu,
+    ("conv2d", "cpu"): cpu_conv2d,
+    ("gemm", "cuda"): cuda,
+    ("conv2d", "cuda"): cuda_conv2d,
+}
+
+
+def module(family: str, device: str):
+    """The schedule module of a kernel family on a device."""
+    try:
+        return _MODULES[(family, device)]
+    except KeyError:
+        raise NotImplementedError(
+            f"torch_tvm_gemm: no {device} schedule for {family} kernels"
+        ) from None
+
+
+def version(family: str, device: str) -> int | tuple[int, ...]:
+    """The schedule version in the cache key of a (family, device) kernel."""
+    return module(family, device).SCHEDULE_VERSION

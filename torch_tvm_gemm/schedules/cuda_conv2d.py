@@ -18,7 +18,9 @@ from ..kernels.conv2d_cuda import conv2d_gemm_compute, load_granule
 from ..kernels.gemm import GemmSpec
 from . import cuda
 
-SCHEDULE_VERSION = 1  # part of the cache key (Conv2dSpec.key): bump when the binary changes
+# Part of the cache key: bump the first number when this file changes the binary. The conv
+# runs on the GEMM schedules of cuda.py, so their version is part of it too.
+SCHEDULE_VERSION = (1, cuda.SCHEDULE_VERSION)
 
 # Layers with few output channels (64 in ResNet-50's first stages) would waste half of a
 # 128-wide block on padded channels: they get blocks of 64 channels (and 2 x 32 per warp).

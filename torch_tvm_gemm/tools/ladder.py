@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .kernels.gemm import GemmSpec, gemm_compute
-from .schedules import cpu as cpu_schedules
-from .target import host_cpu
+from ..kernels.gemm import GemmSpec, gemm_compute
+from ..schedules import cpu as cpu_schedules
+from ..target import host_cpu
 
 TILE = 32  # the "tiled" step's output tile: 32x32 fp32 = 4 KB of C, B rows stay in L1
 
@@ -124,7 +124,7 @@ def compile_step(step: Step, spec: GemmSpec):
     """The compiled ``main`` of ``step`` for ``spec`` (in memory, not cached)."""
     import tvm
 
-    from .build import target_json
+    from ..compiler.build import target_json
 
     executable = tvm.compile(step.schedule(spec), target=tvm.target.Target(target_json("cpu")))
     return executable
@@ -166,7 +166,7 @@ def torch_matmul_timer(a, b, out) -> Callable[[], dict[int, float]]:
     """
     import torch
 
-    from .tune import time_fn
+    from ..measure import time_fn
 
     def seconds() -> dict[int, float]:
         threads = torch.get_num_threads()
@@ -185,7 +185,9 @@ def torch_matmul_timer(a, b, out) -> Callable[[], dict[int, float]]:
 
 def tuned_kernel(size: int, trials: int, budget_s: float, progress: bool):
     """The auto-tuned step's kernel (the search's best, kept or not) and a note."""
-    from .tune import _apply_trace, _compile, read_best, tune_spec
+    from ..compiler.tune import compile_module, tune_spec
+    from ..compiler.tune_space import apply_trace
+    from ..runtime.records import read_best
 
     spec = ladder_spec(size, size)
     res = tune_spec(spec, size, trials=trials, time_budget_s=budget_s, progress=progress)
@@ -193,7 +195,7 @@ def tuned_kernel(size: int, trials: int, budget_s: float, progress: bool):
     if best is None:
         return None, res.reason
     verdict = "kept" if res.kept else f"not kept: {res.reason}"
-    return _compile(_apply_trace(spec, best["trace"])), f"{res.trials} trials; {verdict}"
+    return compile_module(apply_trace(spec, best["trace"])), f"{res.trials} trials; {verdict}"
 
 
 def run_size(
@@ -215,8 +217,8 @@ def run_size(
 
     import torch
 
-    from .runtime import sync_threads
-    from .tune import time_fn
+    from ..measure import time_fn
+    from ..runtime.loader import sync_threads
 
     sync_threads()  # TVM's pool: as many threads as torch uses
     g = torch.Generator().manual_seed(size)

@@ -17,18 +17,26 @@ import json
 import os
 import tempfile
 import warnings
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
 
-from . import build
-from .schedules import cuda as cuda_schedules
-from .target import host_cpu
+from .. import schedules
+from ..config import (
+    ENV_CACHE_DIR,
+    ENV_NO_COMPILE,
+    cache_dir,
+    compile_forbidden,
+    dist_version,
+    kernels_dir,
+    tuning_root,
+)
+from ..schedules import cuda as cuda_schedules
+from ..target import device_key
+from .loader import keep_alive, load_kernel_file
+from .records import tuned_key
 
-ENV_CACHE_DIR = "TVM_GEMM_CACHE_DIR"
-ENV_NO_COMPILE = "TVM_GEMM_NO_COMPILE"  # "1": serve kernels from the cache only
 LOCK_TIMEOUT_S = 900  # longest wait for another process's build of the same kernel
 
 
@@ -36,43 +44,15 @@ class KernelNotCachedError(RuntimeError):
     """A kernel is missing from the cache while compiling is forbidden."""
 
 
-def cache_dir() -> Path:
-    if os.environ.get(ENV_CACHE_DIR):
-        return Path(os.environ[ENV_CACHE_DIR]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "torch_tvm_gemm"
-
-
-def kernels_dir() -> Path:
-    return cache_dir() / "kernels"
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def device_key(device: str) -> str:
-    if device == "cpu":
-        return host_cpu().key()
-    if device == "cuda":  # kernels are built for the current GPU's arch
-        return f"cuda-{build.cuda_arch()}"
-    return device
-
-
 def full_key(spec) -> dict:
     """Everything that changes the binary: the spec, target, TVM and schedule versions, and
     the kept tuning record if any (``tune.tuned_key``: a tuned build never collides with the
     hand one, and a re-tuned kernel is rebuilt)."""
-    from .tune import tuned_key
-
     key = {
         **spec.key(),
         "target": device_key(spec.device),
-        "tvm": _version("apache-tvm"),
-        "schedule_version": build.schedule_version(spec.device),
+        "tvm": dist_version("apache-tvm"),
+        "schedule_version": schedules.version(spec.family, spec.device),
     }
     tuned = tuned_key(spec)
     if tuned is not None:  # absent when untuned: hand kernels keep their existing keys
@@ -115,8 +95,6 @@ def is_intact(path: Path) -> bool:
 
 def _load_cached(path: Path, name: str, device: str = "cpu") -> Any | None:
     """The kernel function if ``path`` holds an intact cached kernel, else None."""
-    from .runtime import load_kernel_file
-
     if not path.exists() and not _meta_path(path).exists():
         return None
     if not is_intact(path):
@@ -184,7 +162,7 @@ def load_or_build(spec) -> Any:
     fn = _load_cached(path, spec.name(), spec.device)
     if fn is not None:
         return fn
-    if os.environ.get(ENV_NO_COMPILE, "") not in ("", "0"):
+    if compile_forbidden():
         raise KernelNotCachedError(
             f"torch_tvm_gemm: kernel {spec.name()} is not in the cache {kernels_dir()} and "
             f"{ENV_NO_COMPILE} forbids compiling it (build it once without {ENV_NO_COMPILE})"
@@ -196,7 +174,7 @@ def load_or_build(spec) -> Any:
             RuntimeWarning,
             stacklevel=2,
         )
-        from .runtime import keep_alive
+        from ..compiler import build
 
         executable, _ = build.compile_spec(spec)
         keep_alive(executable)
@@ -205,18 +183,14 @@ def load_or_build(spec) -> Any:
         fn = _load_cached(path, spec.name(), spec.device)  # built by another process meanwhile?
         if fn is not None:
             return fn
+        from ..compiler import build
+
         executable, seconds = build.compile_spec(spec)
         _export(executable, path, spec, seconds)
-    from .runtime import load_kernel_file
-
     return load_kernel_file(path, spec.name(), spec.device)
 
 
 # --- management: list, prune, clear, export, import (``python -m torch_tvm_gemm cache``) ----
-
-
-def tuning_root() -> Path:
-    return cache_dir() / "tuning"
 
 
 def _dir_size(path: Path) -> int:

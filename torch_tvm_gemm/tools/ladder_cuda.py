@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .kernels.gemm import GemmSpec, gemm_compute
+from ..kernels.gemm import GemmSpec, gemm_compute
 from .ladder import _inline_operands
 
 CUDA_TARGET = {"kind": "cuda", "arch": "sm_80"}

@@ -8,7 +8,7 @@ the best trace, its speed, the hand schedule's speed in the same run, and ``kept
 
 A tuned kernel is kept only if it matches torch on fresh random data and beats the hand
 schedule measured in the same process; ``build.lower`` asks ``tuned_module(spec)`` first and
-falls back to the hand schedule otherwise, and ``cache.full_key`` folds ``tuned_key(spec)``
+falls back to the hand schedule otherwise, and ``runtime.cache.full_key`` folds ``runtime.records.tuned_key(spec)``
 into the kernel's key so that a tuned build never collides with the hand one.
 
 The search space: what limits a CPU GEMM is the micro-kernel, which MetaSchedule's generic
@@ -26,7 +26,6 @@ model's example input) and the result serves every M.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -42,187 +41,12 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import cache
-from .kernels.gemm import GemmSpec, gemm_compute
-from .target import host_cpu
+from ..kernels.gemm import GemmSpec
+from ..measure import check_correct, problem_k, time_interleaved
+from ..runtime.records import BEST, tuning_dir
+from .tune_space import apply_trace, hand_space, tuned_compute
 
-SPACE_VERSION = 3  # bump when the design space changes: old records no longer replay
-# The tuned kernels pad M to M_PAD, which every sampled register-tile height divides. It is
-# the production schedule's own tile height, so that the space contains that schedule with
-# the same padding (a pad of 12 cost 0.6% at M=1024 against the hand schedule's 6).
-M_PAD = 6
-MR_CHOICES = (2, 3, 6)
-# Unrolling the K loop by this much (a static K only): fewer loop-counter updates per FMA
-# (measured at 1024^3: -0.6% to +1.3% against the hand schedule, within this machine's noise).
-K_UNROLL_CHOICES = (1, 2, 4, 8)
-ROW_BLOCK_CHOICES = (2, 4, 8, 16)  # register tiles per row block in the row-major order
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
-BEST = "best.json"
-
-
-# --- where records live, without importing tvm --------------------------------------------
-
-
-def tuning_root() -> Path:
-    return cache.tuning_root()
-
-
-def tuning_key(spec: GemmSpec) -> dict:
-    """What a tuning record depends on: the kernel (spec, target, TVM) and our space."""
-    return {
-        **spec.key(),
-        "target": cache.device_key(spec.device),
-        "tvm": cache._version("apache-tvm"),
-        "space_version": SPACE_VERSION,
-    }
-
-
-def tuning_dir(spec: GemmSpec) -> Path:
-    digest = hashlib.sha256(json.dumps(tuning_key(spec), sort_keys=True).encode()).hexdigest()
-    return tuning_root() / f"{spec.name()}-{digest[:16]}"
-
-
-def read_best(spec: GemmSpec, warn: bool = True) -> dict | None:
-    """The verdict of the last tuning of ``spec``, or None (absent or unreadable)."""
-    path = tuning_dir(spec) / BEST
-    if not path.exists():
-        return None
-    try:
-        best = json.loads(path.read_text())
-        if not isinstance(best, dict) or "trace" not in best or "kept" not in best:
-            raise ValueError("missing fields")
-        return best
-    except (OSError, ValueError) as err:
-        if warn:
-            warnings.warn(
-                f"torch_tvm_gemm: tuning record {path} is corrupt ({err}); ignoring it "
-                "(the hand schedule is used; re-tune to replace it)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return None
-
-
-def tuned_key(spec: GemmSpec) -> str | None:
-    """A short hash of the kept tuned trace of ``spec`` (for the cache key), or None."""
-    if spec.device != "cpu":
-        return None
-    best = read_best(spec, warn=False)
-    if best is None or not best["kept"]:
-        return None
-    return hashlib.sha256(json.dumps(best["trace"], sort_keys=True).encode()).hexdigest()[:16]
-
-
-# --- the design space ---------------------------------------------------------------------
-
-
-def _tile(spec: GemmSpec) -> tuple[int, int]:
-    from .schedules.cpu import _tile
-
-    _, nr, vec = _tile(spec, host_cpu())
-    return nr, vec
-
-
-def tuned_compute(spec: GemmSpec, m: int | None = None, k: int | None = None):
-    """The math the tuned schedules apply to: M padded to ``M_PAD``; ``m`` (and ``k``
-    for a symbolic-K kernel) fix the dims for measuring."""
-    from tvm import tirx
-
-    nr, _ = _tile(spec)
-    func = gemm_compute(spec, M_PAD, nr)
-    if m is None:
-        return func
-    # MetaSchedule measures concrete shapes: bind M (A's first dim) to the tuning batch.
-    a = func.params[0]
-    shape = (tirx.IntImm("int64", m), tirx.IntImm("int64", _k(spec, k)))
-    return func.specialize({a: tirx.decl_buffer(shape, spec.dtype, "A")})
-
-
-def _k(spec: GemmSpec, k: int | None) -> int:
-    if spec.k is not None:
-        return spec.k
-    if k is None:
-        raise ValueError(f"tune: kernel {spec.name()} has a symbolic K: give the K to tune at")
-    return k
-
-
-def _space(spec: GemmSpec, row_major: bool, parallel: str):
-    """One structural variant of the production schedule, parameters sampled.
-
-    ``parallel``: "outer" or "inner" loop of the tile grid over the cores, or "none": on
-    shared or SMT cores a second thread can cost more than it brings (measured here: the
-    serial kernel beat the parallel one at 256^3), and only a measurement can tell."""
-
-    def apply(sch) -> None:
-        nr, vec = _tile(spec)
-        acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
-        a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
-        if spec.dtype == spec.acc_dtype:
-            sch.compute_inline(a_pad)
-        else:
-            if parallel != "none":
-                sch.parallel(sch.get_loops(a_pad)[0])
-        if spec.b_layout == "kn":
-            sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
-        else:
-            sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
-        if parallel != "none" and row_major:
-            sch.parallel(sch.get_loops(b_pad)[0])
-        mr = _sample(sch, MR_CHOICES)
-        i, j, k = sch.get_loops(acc)
-        io, ii = sch.split(i, [None, mr])
-        jo, ji = sch.split(j, [None, nr])
-        jio, jii = sch.split(ji, [None, vec])
-        ku = _sample(sch, _k_unroll_choices(spec))
-        ko, ki = sch.split(k, [None, ku])
-        if row_major:  # row blocks of A outside, each swept over all panels of B
-            rb = _sample(sch, ROW_BLOCK_CHOICES)
-            ioo, ioi = sch.split(io, [None, rb])
-            sch.reorder(ioo, jo, ioi, ko, ki, ii, jio, jii)
-            outer, inner, anchor = ioo, jo, ioi
-        else:  # panel-major, as the production schedule
-            sch.reorder(jo, io, ko, ki, ii, jio, jii)
-            outer, inner, anchor = jo, io, io
-        sch.reverse_compute_at(out, anchor)
-        sch.set_scope(acc, 0, "local")
-        sch.unroll(ki)
-        sch.unroll(ii)
-        sch.unroll(jio)
-        sch.vectorize(jii)
-        if parallel != "none":
-            sch.parallel(outer if parallel == "outer" else inner)
-        if not row_major:  # as the production schedule: each panel packed just before use
-            sch.compute_at(b_pad, jo)
-        sch.decompose_reduction(acc, ko)
-
-    return apply
-
-
-def _sample(sch, choices: tuple[int, ...]):
-    """A uniformly sampled choice, as a MetaSchedule decision (recorded in the trace)."""
-    return sch.sample_categorical(list(choices), [1 / len(choices)] * len(choices))
-
-
-def _k_unroll_choices(spec: GemmSpec) -> tuple[int, ...]:
-    # A symbolic K (or one the factor does not divide) would put a bounds check in the loop.
-    if spec.k is None:
-        return (1,)
-    return tuple(u for u in K_UNROLL_CHOICES if spec.k % u == 0)
-
-
-def hand_space(spec: GemmSpec):
-    """A ScheduleFn returning the structural variants (MetaSchedule samples their knobs)."""
-
-    def fn(sch):
-        variants = []
-        for row_major in (False, True):
-            for parallel in ("outer", "inner", "none"):
-                copy = sch.copy()
-                _space(spec, row_major, parallel)(copy)
-                variants.append(copy)
-        return variants
-
-    return fn
 
 
 # --- the database -------------------------------------------------------------------------
@@ -492,7 +316,7 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
     from tvm.ir import IRModule
     from tvm.s_tir import meta_schedule as ms
 
-    from .runtime import sync_threads
+    from ..runtime.loader import sync_threads
 
     # Candidates run in this thread: give its TVM pool torch's thread count first (else, in a
     # process that never ran an op, TVM sizes it to half the cores and the search ranks
@@ -501,7 +325,7 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
     work_dir = tuning_dir(spec)
     mod = IRModule({"main": tuned_compute(spec, m, k)})
     target = _target()
-    flops = 2.0 * m * spec.n * _k(spec, k)
+    flops = 2.0 * m * spec.n * problem_k(spec, k)
     done = len(_records(open_database(work_dir), mod))
     start_done = done
     bar = _progress_bar(trials, done, spec, progress)
@@ -618,7 +442,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     for record in records:
         trace = _plain(record.trace.as_json())
         try:
-            fn = _compile(_apply_trace(spec, trace))
+            fn = compile_module(apply_trace(spec, trace))
         except Exception as err:  # e.g. a generic-space trace whose tiles assume this M
             failure = f"trace does not replay on the symbolic-M kernel: {err}".splitlines()[0]
             continue
@@ -633,7 +457,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     fns = [fn for _, fn in candidates] + [hand_fn]
     *tuned_s, hand_s = time_interleaved(spec, m, k, fns, rounds=VERDICT_ROUNDS)
     pick = min(range(len(candidates)), key=lambda i: tuned_s[i])
-    flops = 2.0 * m * spec.n * _k(spec, k)
+    flops = 2.0 * m * spec.n * problem_k(spec, k)
     tuned_gf, hand_gf = flops / tuned_s[pick] / 1e9, flops / hand_s / 1e9
     kept = tuned_s[pick] * KEEP_MARGIN < hand_s
     reason = (
@@ -644,7 +468,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     best = {
         "trace": candidates[pick][0],
         "m": m,
-        "k": _k(spec, k),
+        "k": problem_k(spec, k),
         "space": space,
         "tuned_gflops": round(tuned_gf, 2),
         "hand_gflops": round(hand_gf, 2),
@@ -674,127 +498,9 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _apply_trace(spec: GemmSpec, trace_json: Any):
-    """Replay a tuned trace on the symbolic-M kernel; the scheduled IRModule."""
-    from tvm import s_tir
-    from tvm.s_tir.schedule import Trace
-
-    sch = s_tir.Schedule(tuned_compute(spec))
-    Trace.apply_json_to_schedule(trace_json, sch)
-    return sch.mod
-
-
-def _compile(mod):
+def compile_module(mod):
     import tvm
 
     from .build import target_json
 
     return tvm.compile(mod, target=tvm.target.Target(target_json("cpu")))["main"]
-
-
-def tuned_module(spec: GemmSpec):
-    """The scheduled IRModule of ``spec`` from its kept tuning record, or None.
-
-    A record that cannot be read or replayed is reported and ignored: the caller falls back
-    to the hand schedule.
-    """
-    if spec.device != "cpu":
-        return None
-    best = read_best(spec)
-    if best is None or not best["kept"]:
-        return None
-    try:
-        return _apply_trace(spec, best["trace"])
-    except Exception as err:  # a record from another space or TVM: not fatal
-        warnings.warn(
-            f"torch_tvm_gemm: tuning record of {spec.name()} does not apply ({err}); "
-            "using the hand schedule",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-
-
-# --- checks and timing (shared with the ladder) -----------------------------------------
-
-
-def make_inputs(spec: GemmSpec, m: int, k: int | None = None, seed: int | None = None) -> list:
-    import torch
-
-    g = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
-    dtype = getattr(torch, spec.dtype)
-    k = _k(spec, k)
-    a = torch.randn(m, k, generator=g).to(dtype)
-    b_shape = (k, spec.n) if spec.b_layout == "kn" else (spec.n, k)
-    args = [a, torch.randn(*b_shape, generator=g).to(dtype)]
-    if spec.bias:
-        args.append(torch.randn(spec.n, generator=g).to(dtype))
-    return args
-
-
-def reference(spec: GemmSpec, args: list):
-    """What torch computes for the kernel's inputs (in float64, then cast)."""
-    import torch
-
-    from .ops import _ACT_FN
-
-    a, b = args[0].double(), args[1].double()
-    y = a @ (b if spec.b_layout == "kn" else b.T)
-    if spec.bias:
-        y = y + args[2].double()
-    return _ACT_FN[spec.activation](y).to(getattr(torch, spec.dtype))
-
-
-def check_correct(spec: GemmSpec, fn, m: int, k: int | None = None) -> tuple[bool, str]:
-    """Compare ``fn`` with torch on fresh random data, at ``m`` and at an odd batch."""
-    import torch
-
-    for rows in dict.fromkeys((m, 7 if m != 7 else 5)):
-        args = make_inputs(spec, rows, k)
-        out = torch.empty(rows, spec.n, dtype=args[0].dtype)
-        fn(*args, out)
-        expected = reference(spec, args)
-        depth = args[0].shape[1]
-        tol = (1e-5 if spec.dtype == "float32" else 2e-2) * max(1, depth) ** 0.5
-        err = (out.double() - expected.double()).abs().max().item()
-        if not torch.allclose(out, expected, rtol=1.3e-5, atol=tol):
-            return False, f"max |diff| {err:.2e} at M={rows}"
-    return True, ""
-
-
-def time_fn(fn, args: list, rounds: int = 3, min_time_s: float = 0.1, max_reps: int = 30) -> float:
-    """Seconds per call: the best of ``rounds`` medians, after one warm-up call.
-
-    Best-of-medians because these 2 cores are shared: a parallel kernel (torch's or ours)
-    whose second thread loses its core waits a whole scheduler slice, and one such burst
-    can hold a single median at 1% of the real speed (seen: torch.matmul at 2 GFLOPS).
-    """
-    import statistics
-
-    fn(*args)
-    medians = []
-    for _ in range(rounds):
-        times: list[float] = []
-        while len(times) < 3 or (sum(times) < min_time_s and len(times) < max_reps):
-            t0 = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return min(medians)
-
-
-def time_interleaved(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: int = 3) -> list:
-    """Seconds per call of each kernel on the same inputs, timed in interleaved rounds so
-    that a change of machine load (2 shared cores) hits all alike; the best round of each."""
-    import torch
-
-    from .runtime import sync_threads
-
-    sync_threads()  # the kernels are called directly here: size TVM's pool as torch's
-    args = make_inputs(spec, m, k, seed=0)
-    out = torch.empty(m, spec.n, dtype=args[0].dtype)
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            best[i] = min(best[i], time_fn(fn, [*args, out], rounds=1))
-    return best

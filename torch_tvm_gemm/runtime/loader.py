@@ -1,4 +1,4 @@
-"""Running compiled kernels with the TVM *runtime* only, and the in-memory kernel table.
+"""Running compiled kernels with the TVM *runtime* only.
 
 A kernel exported by TVM calls a few runtime services (its thread pool through
 ``TVMBackendParallelLaunch``, workspace allocation) that live in ``libtvm_runtime.so``, a
@@ -16,7 +16,6 @@ import functools
 import importlib.util
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,7 @@ ENV_RUNTIME_LIB_DIR = "TVM_GEMM_RUNTIME_LIB_DIR"  # folder with libtvm_runtime*.
 ENV_TVM_POOL = "TVM_GEMM_TVM_POOL"  # 1: CPU kernels keep TVM's own thread pool (not torch's)
 
 _lock = threading.RLock()
-_table: dict[Any, Any] = {}  # spec (CPU) or (spec, arch) (CUDA) -> kernel function
 _alive: list[Any] = []  # modules / executables whose functions we hand out
-_clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 _runtime_loaded = False
 _cuda_runtime_loaded = False
 
@@ -150,7 +147,7 @@ def _launch_on_torch_pool(path: os.PathLike) -> None:
     """Point a loaded CPU kernel's parallel launcher at torch's OpenMP pool (the C++
     extension's ``parallel_launch``, csrc/parallel_launch.cpp says why). Without the extension,
     or for a kernel that synchronises its tasks with barriers (ours don't), TVM's pool stays."""
-    from . import _ext
+    from .. import _ext
 
     ext = _ext.load()
     if ext is None or os.environ.get(ENV_TVM_POOL, "") not in ("", "0"):
@@ -187,51 +184,8 @@ def parallel_launcher(path: os.PathLike) -> str | None:
     lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
     if not _has_symbol(lib, "__TVMBackendParallelLaunch"):
         return None
-    from . import _ext
+    from .. import _ext
 
     slot = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
     ext = _ext.load()
     return "torch" if ext is not None and slot.value == _torch_pool_launcher(ext) else "tvm"
-
-
-def get_kernel(spec) -> Any:
-    """The callable kernel for ``spec``: from the table, the disk cache, or a fresh build.
-
-    A CUDA kernel is the one for the current GPU's arch (its schedule depends on it), so
-    the table holds one per (spec, arch): two GPUs of different generations each get theirs.
-    """
-    key = (spec, _cuda_arch()) if spec.device == "cuda" else spec
-    fn = _table.get(key)
-    if fn is not None:
-        return fn
-    with _lock:  # one build per kernel in this process; other processes: cache.py's lock
-        fn = _table.get(key)
-        if fn is None and spec.device == "cuda":
-            from . import cuda_pack
-
-            fn = cuda_pack.lookup(spec, key[1])  # a loaded pack first (built elsewhere)
-        if fn is None:
-            from .cache import load_or_build
-
-            fn = load_or_build(spec)
-        _table[key] = fn
-    return fn
-
-
-def _cuda_arch() -> str:
-    from .build import cuda_arch
-
-    return cuda_arch()
-
-
-def on_clear_table(hook: Callable[[], None]) -> None:
-    """Call ``hook`` whenever the table is cleared (for tables that cache our functions)."""
-    _clear_hooks.append(hook)
-
-
-def clear_table() -> None:
-    """Forget loaded kernels (tests; after clearing the disk cache)."""
-    with _lock:
-        _table.clear()
-        for hook in _clear_hooks:
-            hook()

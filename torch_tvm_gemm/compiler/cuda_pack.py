@@ -1,4 +1,4 @@
-"""CUDA kernels built without a GPU: nvcc to SASS per arch, and kernel packs.
+"""CUDA kernels built without a GPU: nvcc to SASS per arch, exported with the SASS inside.
 
 TVM 0.27 does not compile CUDA at build time: ``tvm.compile`` returns a module holding the
 generated CUDA C++ (format "cuda"), and the CUDA runtime compiles it when the library is
@@ -10,30 +10,21 @@ the imported device module's payload is ``[fmt][function table][data]``; format 
 makes the CUDA runtime load ``data`` with ``cuModuleLoadData`` directly. The result loads
 with ``tvm_ffi`` + ``libtvm_runtime.so`` + ``libtvm_runtime_cuda.so`` alone.
 
-A *pack* is a folder of such libraries plus ``manifest.json`` (spec key, file, SHA-256 and
-arches of each kernel), built by ``python -m torch_tvm_gemm compile``; a GPU process loads
-it with ``load_pack(path)`` or the ``TVM_GEMM_PACK`` environment variable. The schedule of a
-kernel depends on the arch (``schedules.cuda.schedule_kind``: WMMA on sm_70/75, mma.sync on
-sm_80+, ...), so a spec gets one library per group of arches that share a schedule.
+Packs of such libraries are written by ``compiler/pack_writer.py`` and loaded by
+``runtime/pack_loader.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import shutil
 import struct
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
-ENV_PACK = "TVM_GEMM_PACK"  # pack folders (os.pathsep separated) a GPU process loads
-PACK_FORMAT = 2  # 2: a spec may have several entries (one per schedule), told apart by arches
-READABLE_PACK_FORMATS = (1, 2)
 DEFAULT_ARCHES = ("sm_80", "sm_90")
 DEFAULT_CUDA_ROOTS = ("/usr/local/cuda",)
 # -maxrregcount=255: the register limit is the kernel's __launch_bounds__ alone. Without an
@@ -46,7 +37,7 @@ NVCC_HELP = (
     "(https://developer.nvidia.com/cuda-downloads, or `pip install nvidia-cuda-nvcc` and put "
     "its nvidia/cu13/bin on PATH), or set CUDA_HOME; or build the kernels on a machine with "
     "nvcc (`python -m torch_tvm_gemm compile --target cuda ...`) and load the pack here "
-    f"(${ENV_PACK})."
+    "(TVM_GEMM_PACK)."
 )
 
 
@@ -275,7 +266,7 @@ class CudaExecutable:
         return export_with_binary(self.executable, path, self.arches)
 
     def __getitem__(self, name: str) -> Any:  # in-memory use (read-only cache): via a file
-        from .runtime import keep_alive, load_kernel_file
+        from ..runtime.loader import keep_alive, load_kernel_file
 
         tmp = tempfile.mkdtemp(prefix="tvm_gemm_cuda_")
         path = os.path.join(tmp, "kernel.so")
@@ -283,161 +274,6 @@ class CudaExecutable:
         fn = load_kernel_file(path, name, device="cuda")
         keep_alive(tmp)
         return fn
-
-
-# --- packs ------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def spec_from_key(key: dict):
-    """The spec of a manifest key (``spec.key()`` read back from JSON)."""
-    from .kernels.conv2d import Conv2dSpec
-    from .kernels.gemm import GemmSpec
-
-    fields = {k: v for k, v in key.items() if k not in ("family", "conv_schedule_version")}
-    if key["family"] == "conv2d":
-        pairs = {name: tuple(fields[name]) for name in ("stride", "padding", "dilation")}
-        return Conv2dSpec(**{**fields, **pairs})  # (JSON made the pairs lists)
-    return GemmSpec(**fields)
-
-
-def schedule_groups(spec, arches) -> dict[str, list[str]]:
-    """``arches`` grouped by the schedule ``spec`` gets there: {kind: [arch, ...]}.
-
-    TVM generates the source for the first arch of a group and nvcc compiles it for all of
-    them; arches of different schedules must not share a source (sm_80's mma.sync does not
-    exist on sm_75, and sm_75's WMMA source would run on sm_80 slower than mma.sync).
-    """
-    from .schedules import cuda, cuda_conv2d
-
-    schedule_kind = cuda_conv2d.schedule_kind if spec.family == "conv2d" else cuda.schedule_kind
-    groups: dict[str, list[str]] = {}
-    for arch in normalize_arches(arches):
-        groups.setdefault(schedule_kind(spec, arch), []).append(arch)
-    return groups
-
-
-def build_kernels(spec, arches, out_dir: str | os.PathLike) -> list[dict]:
-    """Compile one CUDA kernel into ``out_dir``, one library per schedule group of
-    ``arches``; their manifest entries."""
-    from . import build
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for kind, group in schedule_groups(spec, arches).items():
-        executable, seconds = build.compile_spec(spec, arch=group[0], arches=group)
-        path = out / f"{spec.name()}-{kind}.so"
-        info = executable.export_library(path)
-        entries.append(
-            {
-                "key": spec.key(),
-                "name": spec.name(),
-                "file": path.name,
-                "sha256": _sha256(path),
-                "arches": info["arches"],
-                "schedule": kind,
-                "build_seconds": round(seconds, 2),
-            }
-        )
-    return entries
-
-
-def write_pack(specs, arches, out_dir: str | os.PathLike, log=print) -> Path:
-    """Build every spec for every arch into a pack folder; returns the manifest path."""
-    out = Path(out_dir)
-    (out / "kernels").mkdir(parents=True, exist_ok=True)
-    check_nvcc_arches(arches)  # before the first (slow) build
-    entries = []
-    for i, spec in enumerate(specs, 1):
-        for entry in build_kernels(spec, arches, out / "kernels"):
-            entry["file"] = f"kernels/{entry['file']}"
-            entries.append(entry)
-            log(
-                f"[{i}/{len(specs)}] {spec.name()} ({entry['schedule']}: "
-                f"{','.join(entry['arches'])})  {entry['build_seconds']} s"
-            )
-    manifest = {
-        "format": PACK_FORMAT,
-        "arches": normalize_arches(arches),
-        "tvm": _dist_version("apache-tvm"),
-        "kernels": entries,
-    }
-    path = out / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    return path
-
-
-def _dist_version(dist: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-# --- loading packs (GPU side: tvm_ffi + the runtime libraries only) ---------------------------
-
-_lock = threading.Lock()
-_packs: dict[Any, list[tuple[Path, dict]]] = {}  # spec -> [(library path, entry)], per schedule
-_env_loaded = False
-
-
-def load_pack(path: str | os.PathLike) -> int:
-    """Register the kernels of a pack folder; returns how many. Libraries load on first use."""
-    root = Path(path)
-    manifest = json.loads((root / "manifest.json").read_text())
-    if manifest.get("format") not in READABLE_PACK_FORMATS:
-        raise RuntimeError(f"torch_tvm_gemm: {root} is a pack of unknown format")
-    with _lock:
-        for entry in manifest["kernels"]:
-            spec = spec_from_key(entry["key"])
-            # A later pack replaces an earlier one's library for the same arches.
-            kept = [
-                (p, e)
-                for p, e in _packs.get(spec, [])
-                if not set(e["arches"]) & set(entry["arches"])
-            ]
-            _packs[spec] = [*kept, (root / entry["file"], entry)]
-    return len(manifest["kernels"])
-
-
-def _load_env_packs() -> None:
-    global _env_loaded
-    if _env_loaded:
-        return
-    _env_loaded = True
-    for folder in filter(None, os.environ.get(ENV_PACK, "").split(os.pathsep)):
-        load_pack(folder)
-
-
-def lookup(spec, arch: str) -> Any | None:
-    """The kernel for ``spec`` from a loaded pack, or None if no pack has it.
-
-    A pack kernel without SASS for ``arch`` is an error, not a silent rebuild.
-    """
-    _load_env_packs()
-    hits = _packs.get(spec)
-    if not hits:
-        return None
-    found = [(p, e) for p, e in hits if arch in e["arches"]]
-    if not found:
-        built = sorted({a for _, e in hits for a in e["arches"]})
-        raise RuntimeError(
-            f"torch_tvm_gemm: kernel {spec.name()} in {hits[0][0].parent} was built for "
-            f"{', '.join(built)}, not for this GPU ({arch}); rebuild the pack with "
-            f"--arch {arch}"
-        )
-    path, entry = found[0]
-    if _sha256(path) != entry["sha256"]:
-        raise RuntimeError(f"torch_tvm_gemm: pack kernel {path} is corrupt (hash mismatch)")
-    from .runtime import load_kernel_file
-
-    return load_kernel_file(path, spec.name(), device="cuda")
 
 
 # --- inspecting built libraries (tests, CI: no GPU needed) -------------------------------------

@@ -107,7 +107,7 @@ class ConvCase:
 
     def spec(self):
         """The kernel a CUDA run asks for (the op's own spec function, on meta tensors)."""
-        from .ops import conv2d_spec
+        from ..ops import conv2d_spec
 
         x, w, b, stride, padding, dilation, groups, relu = self.inputs("meta")
         return conv2d_spec(x, w, b, stride, padding, dilation, groups, relu, device="cuda")
@@ -181,7 +181,7 @@ BENCH_CASES = [
 def _recording(found: list, tf32: bool = False):
     """Route ops.gemm's kernel lookups to a recorder that pretends to be on CUDA (an sm_80+
     GPU, with TF32 allowed for fp32 products if ``tf32``)."""
-    from . import ops
+    from .. import ops
 
     def fake_kernel(*args):
         return None

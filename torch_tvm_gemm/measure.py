@@ -1,0 +1,93 @@
+"""Checking and timing kernels against torch: one place for the tuner and the ladder.
+
+``time_fn`` is best-of-medians over rounds, ``time_interleaved`` alternates the contenders
+round by round so that a change of machine load hits all alike; ``check_correct`` compares
+a kernel with torch (in float64) on fresh random data.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .kernels.gemm import TORCH_ACTIVATIONS, GemmSpec
+from .runtime.loader import sync_threads
+
+
+def problem_k(spec: GemmSpec, k: int | None) -> int:
+    """The K of a problem: the kernel's own, or ``k`` for a symbolic-K kernel."""
+    if spec.k is not None:
+        return spec.k
+    if k is None:
+        raise ValueError(f"kernel {spec.name()} has a symbolic K: give the K to measure at")
+    return k
+
+
+def make_inputs(spec: GemmSpec, m: int, k: int | None = None, seed: int | None = None) -> list:
+    g = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
+    dtype = getattr(torch, spec.dtype)
+    k = problem_k(spec, k)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b_shape = (k, spec.n) if spec.b_layout == "kn" else (spec.n, k)
+    args = [a, torch.randn(*b_shape, generator=g).to(dtype)]
+    if spec.bias:
+        args.append(torch.randn(spec.n, generator=g).to(dtype))
+    return args
+
+
+def reference(spec: GemmSpec, args: list):
+    """What torch computes for the kernel's inputs (in float64, then cast)."""
+    a, b = args[0].double(), args[1].double()
+    y = a @ (b if spec.b_layout == "kn" else b.T)
+    if spec.bias:
+        y = y + args[2].double()
+    return TORCH_ACTIVATIONS[spec.activation](y).to(getattr(torch, spec.dtype))
+
+
+def check_correct(spec: GemmSpec, fn, m: int, k: int | None = None) -> tuple[bool, str]:
+    """Compare ``fn`` with torch on fresh random data, at ``m`` and at an odd batch."""
+    for rows in dict.fromkeys((m, 7 if m != 7 else 5)):
+        args = make_inputs(spec, rows, k)
+        out = torch.empty(rows, spec.n, dtype=args[0].dtype)
+        fn(*args, out)
+        expected = reference(spec, args)
+        depth = args[0].shape[1]
+        tol = (1e-5 if spec.dtype == "float32" else 2e-2) * max(1, depth) ** 0.5
+        err = (out.double() - expected.double()).abs().max().item()
+        if not torch.allclose(out, expected, rtol=1.3e-5, atol=tol):
+            return False, f"max |diff| {err:.2e} at M={rows}"
+    return True, ""
+
+
+def time_fn(fn, args: list, rounds: int = 3, min_time_s: float = 0.1, max_reps: int = 30) -> float:
+    """Seconds per call: the best of ``rounds`` medians, after one warm-up call.
+
+    Best-of-medians because these 2 cores are shared: a parallel kernel (torch's or ours)
+    whose second thread loses its core waits a whole scheduler slice, and one such burst
+    can hold a single median at 1% of the real speed (seen: torch.matmul at 2 GFLOPS).
+    """
+    fn(*args)
+    medians = []
+    for _ in range(rounds):
+        times: list[float] = []
+        while len(times) < 3 or (sum(times) < min_time_s and len(times) < max_reps):
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+    return min(medians)
+
+
+def time_interleaved(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: int = 3) -> list:
+    """Seconds per call of each kernel on the same inputs, timed in interleaved rounds so
+    that a change of machine load (2 shared cores) hits all alike; the best round of each."""
+    sync_threads()  # the kernels are called directly here: size TVM's pool as torch's
+    args = make_inputs(spec, m, k, seed=0)
+    out = torch.empty(m, spec.n, dtype=args[0].dtype)
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], time_fn(fn, [*args, out], rounds=1))
+    return best
