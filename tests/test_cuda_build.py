@@ -25,6 +25,8 @@ from torch_tvm_gemm.compiler import cuda_pack, pack_writer
 from torch_tvm_gemm.compiler.cuda_pack import NvccNotFoundError
 from torch_tvm_gemm.runtime import pack_loader
 
+pytestmark = pytest.mark.slow  # CUDA cross-compiles with nvcc: not in the fast lane
+
 ARCHES = ("sm_80", "sm_90")
 # Per-block shared memory a kernel may use (opt-in maximum), per arch.
 SMEM_LIMIT = {"sm_70": 96 * 1024, "sm_75": 64 * 1024, "sm_80": 163 * 1024, "sm_90": 227 * 1024}

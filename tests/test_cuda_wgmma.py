@@ -16,6 +16,7 @@ from torch_tvm_gemm.schedules import cuda_wgmma
 
 _ok, _why = cuda_wgmma.wgmma_available()
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(not cuda_pack.nvcc_available(), reason="nvcc not found"),
     pytest.mark.skipif(not _ok, reason=f"TVM tile primitives unavailable: {_why}"),
 ]

@@ -11,6 +11,8 @@ from conftest import assert_close, randn
 from torch_tvm_gemm.__main__ import main
 from torch_tvm_gemm.tools import ladder
 
+pytestmark = pytest.mark.slow  # every ladder step compiled and tuned: not in the fast lane
+
 
 @pytest.mark.parametrize("step", ladder.HAND_STEPS, ids=lambda s: s.name)
 @pytest.mark.parametrize(("m", "n", "k"), [(37, 70, 33), (1, 129, 7)])

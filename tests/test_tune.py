@@ -20,6 +20,8 @@ from torch_tvm_gemm.compiler import build, tune, tune_space
 from torch_tvm_gemm.kernels.gemm import GemmSpec
 from torch_tvm_gemm.runtime import cache, records
 
+pytestmark = pytest.mark.slow  # MetaSchedule searches: not in the fast lane
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

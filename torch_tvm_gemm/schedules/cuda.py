@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ..kernels.gemm import GemmSpec, gemm_compute
-from . import cuda_intrin
+from . import cuda_intrin, cuda_intrin_tf32, cuda_intrin_wmma
 
 SCHEDULE_VERSION = 2  # part of the cache key: bump when a schedule changes the binary
 # (2: nvcc -maxrregcount=255, WMMA and TF32 schedules)
@@ -202,10 +202,10 @@ def schedule_mma(
     b_k_major = spec.b_layout == "nk"
     scopes = {"A": "warp", "B": "warp", "C": "warp"}
     if kind == "wmma":
-        names = cuda_intrin.wmma_intrinsics(b_k_major)
-        scopes = cuda_intrin.WMMA_SCOPE
+        names = cuda_intrin_wmma.wmma_intrinsics(b_k_major)
+        scopes = cuda_intrin_wmma.WMMA_SCOPE
     elif kind == "tf32":
-        names = cuda_intrin.tf32_intrinsics(b_k_major)
+        names = cuda_intrin_tf32.tf32_intrinsics(b_k_major)
     else:
         names = cuda_intrin.intrinsics(spec.dtype, b_k_major)
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
@@ -296,8 +296,8 @@ def _row_padding(kind: str, k_major: bool) -> tuple[int, int]:
 def _mma_fragment_layouts(sch, a_frag, b_frag, c_frag, b_k_major: bool, tf32: bool) -> None:
     """Lay the "warp" fragments out as (fragment, fragment, lane, slot): mma.sync's map."""
     if tf32:
-        a_map = cuda_intrin.tf32_index_map(cuda_intrin.tf32_a_layout)
-        b_map = cuda_intrin.tf32_index_map(cuda_intrin.tf32_b_layout)
+        a_map = cuda_intrin_tf32.tf32_index_map(cuda_intrin_tf32.tf32_a_layout)
+        b_map = cuda_intrin_tf32.tf32_index_map(cuda_intrin_tf32.tf32_b_layout)
     else:
         a_map = b_map = cuda_intrin.fragment_index_map
     sch.transform_layout(a_frag, ("write", 0), a_map)
