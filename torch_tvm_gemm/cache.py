@@ -23,7 +23,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import build
+from . import build, build_worker
 from .schedules import cuda as cuda_schedules
 from .target import host_cpu
 
@@ -151,11 +151,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _export(executable: Any, path: Path, spec, seconds: float) -> None:
+def _export(path: Path, spec) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".so.tmp")
     os.close(fd)
     try:
-        executable.export_library(tmp)
+        seconds = build_worker.build(spec, tmp, _arch(spec))  # a worker writes the library
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -178,6 +178,22 @@ def _writable(directory: Path) -> bool:
     return os.access(directory, os.W_OK)
 
 
+def _arch(spec) -> str | None:
+    """The GPU arch a CUDA kernel is built for (this process's GPU, as in its key)."""
+    return build.cuda_arch() if spec.device == "cuda" else None
+
+
+def _build_private(spec) -> Any:
+    """Build ``spec`` into a private temporary dir and load it from there (the library can
+    go once loaded: the loaded copy stays mapped)."""
+    from .runtime import load_kernel_file
+
+    with tempfile.TemporaryDirectory(prefix="tvm_gemm_") as tmp:
+        path = os.path.join(tmp, spec.name() + ".so")
+        build_worker.build(spec, path, _arch(spec))
+        return load_kernel_file(path, spec.name(), spec.device)
+
+
 def load_or_build(spec) -> Any:
     """The callable kernel for ``spec``: from the cache, or built (once) and cached."""
     path = kernel_path(spec)
@@ -196,17 +212,12 @@ def load_or_build(spec) -> Any:
             RuntimeWarning,
             stacklevel=2,
         )
-        from .runtime import keep_alive
-
-        executable, _ = build.compile_spec(spec)
-        keep_alive(executable)
-        return executable["main"]
+        return _build_private(spec)
     with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
         fn = _load_cached(path, spec.name(), spec.device)  # built by another process meanwhile?
         if fn is not None:
             return fn
-        executable, seconds = build.compile_spec(spec)
-        _export(executable, path, spec, seconds)
+        _export(path, spec)
     from .runtime import load_kernel_file
 
     return load_kernel_file(path, spec.name(), spec.device)

@@ -28,6 +28,7 @@ ENV_TVM_POOL = "TVM_GEMM_TVM_POOL"  # 1: CPU kernels keep TVM's own thread pool 
 
 _lock = threading.RLock()
 _table: dict[Any, Any] = {}  # spec (CPU) or (spec, arch) (CUDA) -> kernel function
+_kernel_locks: dict[Any, threading.Lock] = {}  # the same keys -> held while one is built
 _alive: list[Any] = []  # modules / executables whose functions we hand out
 _clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 _runtime_loaded = False
@@ -204,7 +205,9 @@ def get_kernel(spec) -> Any:
     fn = _table.get(key)
     if fn is not None:
         return fn
-    with _lock:  # one build per kernel in this process; other processes: cache.py's lock
+    # One build per kernel in this process (other processes: cache.py's file lock); builds
+    # of different kernels, asked for by different threads, run in parallel.
+    with _kernel_lock(key):
         fn = _table.get(key)
         if fn is None and spec.device == "cuda":
             from . import cuda_pack
@@ -214,8 +217,14 @@ def get_kernel(spec) -> Any:
             from .cache import load_or_build
 
             fn = load_or_build(spec)
-        _table[key] = fn
+        with _lock:
+            _table[key] = fn
     return fn
+
+
+def _kernel_lock(key: Any) -> threading.Lock:
+    with _lock:
+        return _kernel_locks.setdefault(key, threading.Lock())
 
 
 def _cuda_arch() -> str:
