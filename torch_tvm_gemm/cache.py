@@ -6,8 +6,9 @@ the hash matches, so a truncated or corrupt file (a crash mid-write on another f
 a disk error, a hand edit) is detected, reported and rebuilt rather than loaded.
 
 Build protocol (as in flashinfer's JIT): try to load; else take a file lock on the kernel,
-try to load again (another process may have built it meanwhile), build, write to a temporary
-file, rename it into place (atomic), write the ``.json`` last, release the lock.
+try to load again (another process may have built it meanwhile), have a compile worker
+(``build_worker.py``) build the kernel into a temporary file, rename it into place (atomic),
+write the ``.json`` last, release the lock.
 """
 
 from __future__ import annotations
