@@ -115,7 +115,13 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
         "env": dict(os.environ),
         "cwd": os.getcwd(),
     }
-    worker = _acquire()
+    try:
+        worker = _acquire()
+    except OSError as err:  # no process to be had (process or memory limits)
+        raise KernelBuildError(
+            f"torch_tvm_gemm: cannot start a compile worker to build kernel {spec.name()}: {err}",
+            kernel=spec.name(),
+        ) from err
     healthy = False
     try:
         reply = worker.ask(request)

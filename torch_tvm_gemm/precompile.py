@@ -17,7 +17,7 @@ from .build_worker import KernelBuildError
 
 def precompile_specs(specs: Iterable, workers: int | None = None) -> int:
     """Make every kernel of ``specs`` ready (loaded, built first where missing); returns how
-    many were built.
+    many builds this process ran meanwhile (other threads' included).
 
     ``workers`` bounds the builds at once (default ``build_worker.max_workers()``: the usable
     cores, or ``TVM_GEMM_BUILD_WORKERS``). Every kernel is tried; if any failed, a
