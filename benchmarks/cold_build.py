@@ -11,7 +11,7 @@ round, so that a busy machine slows them alike. Measured:
   (in process, then in one worker), and all at once with ``precompile_specs`` (one worker per
   core; the kernel list is the one the serial run asked for): the Linear layers of a
   BERT-base layer (QKV, attention output, FFN up with GELU, FFN down, each at M=128 and M=8:
-  8 kernels), and the ResNet-50 bottleneck convs of ``bench-conv`` (12 layers, 13 kernels).
+  8 kernels), and the ResNet-50 bottleneck convs of ``bench-conv`` (12 layers).
 """
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ x, w, b = torch.randn(37, 96), torch.randn(80, 96), torch.randn(80)
 start = time.perf_counter()
 tg.linear(x, w, b, "relu")
 seconds = time.perf_counter() - start
-rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
-print(json.dumps({"seconds": seconds, "rss_mb": rss / 1024, "tvm": "tvm" in sys.modules}))
+def rss_mb(pid="self"):
+    status = open(f"/proc/{pid}/status").read().splitlines()
+    return next(int(l.split()[1]) for l in status if l.startswith("VmRSS")) / 1024
+from torch_tvm_gemm import build_worker
+workers = sum(rss_mb(pid) for pid in build_worker.worker_pids())
+print(json.dumps({"seconds": seconds, "rss_mb": rss_mb(), "worker_rss_mb": workers,
+                  "tvm": "tvm" in sys.modules}))
 """
 
 # A model's first calls; argv: mode ("serial" or "parallel"), the spec list file (written by
@@ -122,7 +127,9 @@ def main() -> None:
             line += f"   {results[0]['kernels']} kernels, {results[0]['built_on_use']} on first use"
         if "rss_mb" in results[0]:
             rss = statistics.median(r["rss_mb"] for r in results)
-            line += f"   RSS after {rss:5.0f} MB   tvm imported: {results[0]['tvm']}"
+            worker = statistics.median(r["worker_rss_mb"] for r in results)
+            line += f"   RSS after {rss:4.0f} MB (worker {worker:4.0f} MB)"
+            line += f"   tvm imported: {results[0]['tvm']}"
         print(line)
 
 

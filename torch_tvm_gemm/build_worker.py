@@ -68,7 +68,9 @@ main()
 
 
 class KernelBuildError(RuntimeError):
-    """A kernel could not be built: its compile worker died (exit code or signal given)."""
+    """A kernel could not be built: its compile worker died (the exit code or signal and
+    its last output are in the message) or could not start, or the build failed with an
+    error that could not be passed on as itself. ``kernel``: the kernel's name."""
 
     def __init__(self, message: str, kernel: str = "") -> None:
         super().__init__(message)
@@ -106,15 +108,17 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
         from .build_worker_main import build_to_file
 
         return build_to_file(spec, path, arch)
-    request = {
-        "spec": spec,
-        "path": path,
-        "arch": arch,
-        # What the build reads (cache and tuning dirs, schedule switches) as the caller has
-        # it now: tests and users change the environment after the worker has started.
-        "env": dict(os.environ),
-        "cwd": os.getcwd(),
-    }
+    request = pickle.dumps(
+        {
+            "spec": spec,
+            "path": path,
+            "arch": arch,
+            # What the build reads (cache and tuning dirs, schedule switches) as the caller
+            # has it now: tests and users change the environment after the worker started.
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+        }
+    )
     try:
         worker = _acquire()
     except OSError as err:  # no process to be had (process or memory limits)
@@ -150,7 +154,8 @@ def build_count() -> int:
 def trim(keep: int = 1) -> None:
     """Stop idle workers beyond ``keep`` (after a batch of parallel builds)."""
     with _cond:
-        extra, _idle[: len(_idle) - keep] = _idle[: len(_idle) - keep], []
+        cut = max(0, len(_idle) - keep)  # the least recently used go
+        extra, _idle[:cut] = _idle[:cut], []
     for worker in extra:
         _retire(worker)
 
@@ -237,10 +242,10 @@ class _Worker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def ask(self, request: dict) -> dict:
-        data = pickle.dumps(request)
+    def ask(self, request: bytes) -> dict:
+        """Send a pickled request, wait for the reply; _WorkerDied if the worker dies."""
         try:
-            _write_all(self.proc.stdin.fileno(), _HEADER.pack(len(data)) + data)
+            _write_all(self.proc.stdin.fileno(), _HEADER.pack(len(request)) + request)
             header = _read_exact(self.proc.stdout.fileno(), _HEADER.size)
             if header is not None:
                 body = _read_exact(self.proc.stdout.fileno(), _HEADER.unpack(header)[0])
