@@ -123,7 +123,8 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
         worker = _acquire()
     except OSError as err:  # no process to be had (process or memory limits)
         raise KernelBuildError(
-            f"torch_tvm_gemm: cannot start a compile worker to build kernel {spec.name()}: {err}",
+            f"torch_tvm_gemm: cannot start a compile worker to build kernel {spec.name()}: "
+            f"{err} ({ENV_IN_PROCESS}=1 builds in this process instead)",
             kernel=spec.name(),
         ) from err
     healthy = False
@@ -429,5 +430,6 @@ def _stop_all() -> None:
         worker.stop() if worker in _idle else worker.kill()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_after_fork)
 atexit.register(_stop_all)
