@@ -169,3 +169,16 @@ def test_a_forked_child_starts_its_own_worker(tmp_path, fresh_cache):
     assert os.waitstatus_to_exitcode(status) == 0
     build_worker.build(spec_of(61, 5), tmp_path / "parent2.so")
     assert build_worker.worker_pids() == [parent_worker]  # the parent's worker still serves it
+
+
+def test_an_idle_worker_stops_after_the_timeout(tmp_path, fresh_cache, monkeypatch):
+    monkeypatch.setattr(build_worker, "IDLE_TIMEOUT_S", 0.5)
+    if build_worker._reaper is not None:  # a check already planned with the long timeout
+        build_worker._reaper.cancel()
+        build_worker._reaper = None
+    build_worker.build(spec_of(67, 5), tmp_path / "k.so")
+    assert build_worker.worker_pids()
+    deadline = time.monotonic() + 30
+    while build_worker.worker_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not build_worker.worker_pids(), "the idle worker (and its memory) stayed"
