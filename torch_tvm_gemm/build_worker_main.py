@@ -6,7 +6,8 @@ stderr, so that whatever the compiler prints can never be mistaken for a reply. 
 exits at the end of its input (the caller stopped it or died).
 
 A request: ``{"spec", "path", "arch", "env", "cwd"}``. A reply: ``{"seconds", "warnings",
-"error", "error_text", "traceback"}`` (``error``: the exception pickled, or None).
+"error", "error_text", "traceback"}`` (``error``: None, or the exception pickled, or b""
+where it cannot cross as itself: the caller then raises ``KernelBuildError`` with the text).
 """
 
 from __future__ import annotations
