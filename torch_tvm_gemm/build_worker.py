@@ -49,22 +49,28 @@ _HEADER = struct.Struct("<Q")  # a message: its length, then a pickle
 # whose unpickling would import ``tvm`` here.
 SAFE_MODULES = ("builtins", "torch_tvm_gemm", "tvm_ffi")
 
-# The worker's first lines. It imports this copy of the package, wherever the caller found
-# it, without running its __init__ (which registers the torch ops: compiling needs none of
-# that), and without torch, which tvm_ffi imports when it can: a worker then starts in about
-# half the time and memory (measured: `import tvm` 2.5 s / 200 MB without torch, 6.7 s /
-# 400 MB with it, on a loaded 2-core machine).
+# The worker's first lines. It finds modules where the caller does (its sys.path, as
+# multiprocessing's spawn passes it) and imports this copy of the package without running
+# its __init__ (which registers the torch ops: compiling needs none of that), and without
+# torch, which tvm_ffi imports when it can: a worker then starts in about half the time and
+# memory (measured: `import tvm` 2.3 s / 200 MB without torch, 6.7 s / 400 MB with it, on a
+# loaded 2-core machine).
 _PACKAGE_DIR = Path(__file__).resolve().parent
-_BOOT = f"""
+_BOOT = """
 import importlib.util, sys
+sys.path[:] = {path!r}
 sys.modules["torch"] = None
 spec = importlib.util.spec_from_file_location(
-    "torch_tvm_gemm", {str(_PACKAGE_DIR / "__init__.py")!r},
-    submodule_search_locations=[{str(_PACKAGE_DIR)!r}])
+    "torch_tvm_gemm", {init!r}, submodule_search_locations=[{package!r}])
 sys.modules["torch_tvm_gemm"] = importlib.util.module_from_spec(spec)
 from torch_tvm_gemm.build_worker_main import main
 main()
 """
+
+
+def _boot() -> str:
+    init = str(_PACKAGE_DIR / "__init__.py")
+    return _BOOT.format(path=list(sys.path), init=init, package=str(_PACKAGE_DIR))
 
 
 class KernelBuildError(RuntimeError):
@@ -215,7 +221,7 @@ class _Worker:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT],
+            [sys.executable, "-c", _boot()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
