@@ -16,17 +16,20 @@ import torch
 from torch_tvm_gemm.kernels.gemm import GemmSpec
 from torch_tvm_gemm.runtime import cache, loader
 
-# A child process that runs one linear and reports whether it had to import the compiler.
+# A child process that runs one linear and reports how many kernels it built and whether
+# it imported the compiler (never: builds run in a compile worker).
 CHILD = textwrap.dedent(
     """
     import sys, json, warnings, torch
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
         import torch_tvm_gemm as tg
+        from torch_tvm_gemm.runtime import build_worker
         x, w, b = torch.randn(5, 24), torch.randn(12, 24), torch.randn(12)
         out = tg.linear(x, w, b, "relu")
     ok = torch.allclose(out, torch.relu(torch.nn.functional.linear(x, w, b)), atol=1e-4)
     print(json.dumps({"ok": ok, "tvm_imported": "tvm" in sys.modules,
+                      "built": build_worker.build_count(),
                       "warnings": [str(c.message) for c in caught]}))
     """
 )
@@ -55,9 +58,15 @@ def kernel_files(cache_dir: Path) -> list[Path]:
 
 def test_warm_cache_needs_no_compiler(tmp_path):
     cold = result(run_child(tmp_path))
-    assert cold["ok"] and cold["tvm_imported"]
+    assert cold["ok"] and cold["built"] == 1
+    assert not cold["tvm_imported"], "a build must not import the TVM compiler in the caller"
     warm = result(run_child(tmp_path))
-    assert warm["ok"] and not warm["tvm_imported"], "a warm cache must not import the TVM compiler"
+    assert warm["ok"] and warm["built"] == 0 and not warm["tvm_imported"]
+
+
+def test_in_process_build_mode(tmp_path):
+    cold = result(run_child(tmp_path, TVM_GEMM_BUILD_IN_PROCESS="1"))
+    assert cold["ok"] and cold["built"] == 1 and cold["tvm_imported"]
 
 
 def test_two_processes_compile_once(tmp_path):
@@ -65,7 +74,7 @@ def test_two_processes_compile_once(tmp_path):
     results = [result(p) for p in procs]
     assert all(r["ok"] for r in results)
     # The second process waits on the kernel's lock, then loads what the first one built.
-    assert sum(r["tvm_imported"] for r in results) == 1
+    assert sum(r["built"] for r in results) == 1
     assert len(kernel_files(tmp_path)) == 1
 
 
@@ -80,7 +89,7 @@ def test_corrupt_kernel_is_rebuilt(tmp_path, damage):
     else:
         so.with_suffix(".json").unlink()
     again = result(run_child(tmp_path))
-    assert again["ok"] and again["tvm_imported"]
+    assert again["ok"] and again["built"] == 1
     assert any("corrupt" in w for w in again["warnings"]), again["warnings"]
     assert cache.is_intact(so)
 

@@ -12,23 +12,14 @@ import time
 
 import torch
 
-from .kernels.gemm import TORCH_ACTIVATIONS, GemmSpec
+from .kernels.gemm import GemmSpec, torch_activation
 from .runtime.loader import sync_threads
-
-
-def problem_k(spec: GemmSpec, k: int | None) -> int:
-    """The K of a problem: the kernel's own, or ``k`` for a symbolic-K kernel."""
-    if spec.k is not None:
-        return spec.k
-    if k is None:
-        raise ValueError(f"kernel {spec.name()} has a symbolic K: give the K to measure at")
-    return k
 
 
 def make_inputs(spec: GemmSpec, m: int, k: int | None = None, seed: int | None = None) -> list:
     g = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
     dtype = getattr(torch, spec.dtype)
-    k = problem_k(spec, k)
+    k = spec.problem_k(k)
     a = torch.randn(m, k, generator=g).to(dtype)
     b_shape = (k, spec.n) if spec.b_layout == "kn" else (spec.n, k)
     args = [a, torch.randn(*b_shape, generator=g).to(dtype)]
@@ -43,7 +34,7 @@ def reference(spec: GemmSpec, args: list):
     y = a @ (b if spec.b_layout == "kn" else b.T)
     if spec.bias:
         y = y + args[2].double()
-    return TORCH_ACTIVATIONS[spec.activation](y).to(getattr(torch, spec.dtype))
+    return torch_activation(spec.activation)(y).to(getattr(torch, spec.dtype))
 
 
 def check_correct(spec: GemmSpec, fn, m: int, k: int | None = None) -> tuple[bool, str]:

@@ -18,7 +18,7 @@ import tvm_ffi
 from torch import Tensor
 
 from . import _ext
-from .kernels.gemm import ACTIVATIONS, TORCH_ACTIVATIONS, GemmSpec
+from .kernels.gemm import ACTIVATIONS, GemmSpec, torch_activation
 from .runtime.loader import sync_threads
 from .runtime.table import get_kernel, on_clear_table
 from .schedules.cpu import GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
@@ -245,7 +245,7 @@ def gemm(
             if bias is not None
             else torch.zeros_like(out)
         )
-        return out.copy_(TORCH_ACTIVATIONS[activation](zero))
+        return out.copy_(torch_activation(activation)(zero))
     device = _device_name(a)
     cuda = device == "cuda"
     if a.is_cuda:

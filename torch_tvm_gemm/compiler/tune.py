@@ -42,7 +42,7 @@ from typing import Any
 from filelock import FileLock
 
 from ..kernels.gemm import GemmSpec
-from ..measure import check_correct, problem_k, time_interleaved
+from ..measure import check_correct, time_interleaved
 from ..runtime.records import BEST, tuning_dir
 from .tune_space import apply_trace, hand_space, tuned_compute
 
@@ -325,7 +325,7 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
     work_dir = tuning_dir(spec)
     mod = IRModule({"main": tuned_compute(spec, m, k)})
     target = _target()
-    flops = 2.0 * m * spec.n * problem_k(spec, k)
+    flops = 2.0 * m * spec.n * spec.problem_k(k)
     done = len(_records(open_database(work_dir), mod))
     start_done = done
     bar = _progress_bar(trials, done, spec, progress)
@@ -457,7 +457,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     fns = [fn for _, fn in candidates] + [hand_fn]
     *tuned_s, hand_s = time_interleaved(spec, m, k, fns, rounds=VERDICT_ROUNDS)
     pick = min(range(len(candidates)), key=lambda i: tuned_s[i])
-    flops = 2.0 * m * spec.n * problem_k(spec, k)
+    flops = 2.0 * m * spec.n * spec.problem_k(k)
     tuned_gf, hand_gf = flops / tuned_s[pick] / 1e9, flops / hand_s / 1e9
     kept = tuned_s[pick] * KEEP_MARGIN < hand_s
     reason = (
@@ -468,7 +468,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     best = {
         "trace": candidates[pick][0],
         "m": m,
-        "k": problem_k(spec, k),
+        "k": spec.problem_k(k),
         "space": space,
         "tuned_gflops": round(tuned_gf, 2),
         "hand_gflops": round(hand_gf, 2),

@@ -16,7 +16,6 @@ import warnings
 from typing import Any
 
 from ..kernels.gemm import GemmSpec, gemm_compute
-from ..measure import problem_k
 from ..runtime.records import read_best
 from ..target import host_cpu
 
@@ -49,7 +48,7 @@ def tuned_compute(spec: GemmSpec, m: int | None = None, k: int | None = None):
         return func
     # MetaSchedule measures concrete shapes: bind M (A's first dim) to the tuning batch.
     a = func.params[0]
-    shape = (tirx.IntImm("int64", m), tirx.IntImm("int64", problem_k(spec, k)))
+    shape = (tirx.IntImm("int64", m), tirx.IntImm("int64", spec.problem_k(k)))
     return func.specialize({a: tirx.decl_buffer(shape, spec.dtype, "A")})
 
 

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 ACTIVATIONS = ("none", "relu", "gelu")
 
 
-# What each epilogue computes, in torch: the reference the kernels are checked against, and
-# the ops' result for an empty reduction (K = 0).
-TORCH_ACTIVATIONS = {"none": lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
+def torch_activation(name: str):
+    """What an epilogue computes, in torch: the reference the kernels are checked against,
+    and the ops' result for an empty reduction (K = 0). (torch is imported here, not at the
+    top: the compile worker imports this module without torch.)"""
+    import torch.nn.functional as F
+
+    return {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}[name]
+
+
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -55,6 +59,14 @@ class GemmSpec:
     @property
     def acc_dtype(self) -> str:
         return "float64" if self.dtype == "float64" else "float32"
+
+    def problem_k(self, k: int | None = None) -> int:
+        """The K of a problem: the kernel's own, or ``k`` for a symbolic-K kernel."""
+        if self.k is not None:
+            return self.k
+        if k is None:
+            raise ValueError(f"kernel {self.name()} has a symbolic K: give the K to run at")
+        return k
 
     def key(self) -> dict:
         key = {"family": self.family, **asdict(self)}

@@ -6,8 +6,9 @@ the hash matches, so a truncated or corrupt file (a crash mid-write on another f
 a disk error, a hand edit) is detected, reported and rebuilt rather than loaded.
 
 Build protocol (as in flashinfer's JIT): try to load; else take a file lock on the kernel,
-try to load again (another process may have built it meanwhile), build, write to a temporary
-file, rename it into place (atomic), write the ``.json`` last, release the lock.
+try to load again (another process may have built it meanwhile), have a compile worker
+(``runtime/build_worker.py``) build the kernel into a temporary file, rename it into place (atomic),
+write the ``.json`` last, release the lock.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from ..config import (
     tuning_root,
 )
 from ..schedules import cuda as cuda_schedules
-from ..target import device_key
-from .loader import keep_alive, load_kernel_file
+from ..target import cuda_arch, device_key
+from . import build_worker
+from .loader import load_kernel_file
 from .records import tuned_key
 
 LOCK_TIMEOUT_S = 900  # longest wait for another process's build of the same kernel
@@ -129,11 +131,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _export(executable: Any, path: Path, spec, seconds: float) -> None:
+def _export(path: Path, spec) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".so.tmp")
     os.close(fd)
     try:
-        executable.export_library(tmp)
+        seconds = build_worker.build(spec, tmp, _arch(spec))  # a worker writes the library
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -156,6 +158,20 @@ def _writable(directory: Path) -> bool:
     return os.access(directory, os.W_OK)
 
 
+def _arch(spec) -> str | None:
+    """The GPU arch a CUDA kernel is built for (this process's GPU, as in its key)."""
+    return cuda_arch() if spec.device == "cuda" else None
+
+
+def _build_private(spec) -> Any:
+    """Build ``spec`` into a private temporary dir and load it from there (the library can
+    go once loaded: the loaded copy stays mapped)."""
+    with tempfile.TemporaryDirectory(prefix="tvm_gemm_") as tmp:
+        path = os.path.join(tmp, spec.name() + ".so")
+        build_worker.build(spec, path, _arch(spec))
+        return load_kernel_file(path, spec.name(), spec.device)
+
+
 def load_or_build(spec) -> Any:
     """The callable kernel for ``spec``: from the cache, or built (once) and cached."""
     path = kernel_path(spec)
@@ -174,19 +190,12 @@ def load_or_build(spec) -> Any:
             RuntimeWarning,
             stacklevel=2,
         )
-        from ..compiler import build
-
-        executable, _ = build.compile_spec(spec)
-        keep_alive(executable)
-        return executable["main"]
+        return _build_private(spec)
     with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
         fn = _load_cached(path, spec.name(), spec.device)  # built by another process meanwhile?
         if fn is not None:
             return fn
-        from ..compiler import build
-
-        executable, seconds = build.compile_spec(spec)
-        _export(executable, path, spec, seconds)
+        _export(path, spec)
     return load_kernel_file(path, spec.name(), spec.device)
 
 

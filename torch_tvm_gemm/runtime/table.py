@@ -13,8 +13,9 @@ from typing import Any
 from ..target import cuda_arch
 from . import cache, pack_loader
 
-_lock = threading.RLock()  # one build per kernel in this process; other processes: cache's lock
+_lock = threading.RLock()
 _table: dict[Any, Any] = {}  # spec (CPU) or (spec, arch) (CUDA) -> kernel function
+_kernel_locks: dict[Any, threading.Lock] = {}  # the same keys -> held while one is built
 _clear_hooks: list[Callable[[], None]] = []  # other tables of kernel handles (the C++ one)
 
 
@@ -28,14 +29,22 @@ def get_kernel(spec) -> Any:
     fn = _table.get(key)
     if fn is not None:
         return fn
-    with _lock:
+    # One build per kernel in this process (other processes: the cache's file lock); builds
+    # of different kernels, asked for by different threads, run in parallel.
+    with _kernel_lock(key):
         fn = _table.get(key)
         if fn is None and spec.device == "cuda":
             fn = pack_loader.lookup(spec, key[1])  # a loaded pack first (built elsewhere)
         if fn is None:
             fn = cache.load_or_build(spec)
-        _table[key] = fn
+        with _lock:
+            _table[key] = fn
     return fn
+
+
+def _kernel_lock(key: Any) -> threading.Lock:
+    with _lock:
+        return _kernel_locks.setdefault(key, threading.Lock())
 
 
 def on_clear_table(hook: Callable[[], None]) -> None:

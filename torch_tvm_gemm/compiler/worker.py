@@ -1,0 +1,92 @@
+"""The compile worker's side: read build requests, compile, write libraries, reply.
+
+Started by ``runtime/build_worker.py`` as a fresh interpreter. Requests arrive on stdin and replies leave
+on the original stdout, each a length-prefixed pickle; the worker's fd 1 is pointed at its
+stderr, so that whatever the compiler prints can never be mistaken for a reply. The worker
+exits at the end of its input (the caller stopped it or died).
+
+A request: ``{"spec", "path", "arch", "env", "cwd"}``. A reply: ``{"seconds", "warnings",
+"error", "error_text", "traceback"}`` (``error``: None, or the exception pickled, or b""
+where it cannot cross as itself: the caller then raises ``KernelBuildError`` with the text).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+import warnings
+
+from ..runtime.build_worker import MESSAGE_HEADER, SAFE_MODULES, read_exact, write_all
+
+
+def build_to_file(spec, path: str, arch: str | None = None) -> float:
+    """Compile ``spec`` (for CUDA: for ``arch``) and write its library to ``path``; seconds."""
+    from .build import compile_spec
+
+    start = time.perf_counter()
+    executable, _ = compile_spec(spec, arch=arch)
+    executable.export_library(path)
+    return time.perf_counter() - start
+
+
+def serve(request: dict) -> dict:
+    """Run one build request; its reply (an error is reported, never raised)."""
+    reply = {"seconds": 0.0, "warnings": [], "error": None, "error_text": "", "traceback": ""}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the caller's own filters decide what is shown
+        try:
+            os.environ.clear()
+            os.environ.update(request["env"])
+            os.chdir(request["cwd"])
+            reply["seconds"] = build_to_file(request["spec"], request["path"], request["arch"])
+        except Exception as err:
+            reply["error_text"] = f"{type(err).__name__}: {err}"
+            reply["traceback"] = traceback.format_exc()
+            reply["error"] = _pickled(err)
+    reply["warnings"] = [(_portable_class(w.category, UserWarning), str(w.message)) for w in caught]
+    return reply
+
+
+def _portable_class(cls: type, fallback: type) -> type:
+    """``cls`` if the caller can unpickle it without importing the compiler, else ``fallback``
+    (an exception class of ``tvm`` would import ``tvm`` into the caller's process)."""
+    return cls if cls.__module__.split(".")[0] in SAFE_MODULES else fallback
+
+
+def _pickled(err: Exception) -> bytes:
+    """The exception pickled if it crosses to the caller intact, else b"" (told as text)."""
+    if _portable_class(type(err), None) is None:
+        return b""
+    try:
+        data = pickle.dumps(err)
+        pickle.loads(data)  # some exceptions pickle but do not unpickle
+        return data
+    except Exception:
+        return b""
+
+
+def main() -> None:
+    replies = os.dup(1)
+    os.dup2(2, 1)
+    requests = sys.stdin.fileno()
+    while (header := read_exact(requests, MESSAGE_HEADER.size)) is not None:
+        body = read_exact(requests, MESSAGE_HEADER.unpack(header)[0])
+        if body is None:
+            break
+        request = pickle.loads(body)
+        reply = pickle.dumps(serve(request))
+        try:
+            write_all(replies, MESSAGE_HEADER.pack(len(reply)) + reply)
+        except OSError:  # the caller is gone: nobody will move the library into place
+            try:
+                os.unlink(request["path"])
+            except OSError:
+                pass
+            break
+
+
+if __name__ == "__main__":
+    main()
