@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from . import epilogue
+
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -211,7 +213,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         if spec.bias:
             v = v + bias[k].astype(acc)
         if spec.relu:
-            v = tirx.max(v, tirx.const(0, acc))
+            v = epilogue.relu(v, acc)
         return v.astype(spec.dtype)
 
     out = te.compute((n, spec.k, oh, ow), final, name="out")

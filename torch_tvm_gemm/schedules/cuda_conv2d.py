@@ -18,7 +18,7 @@ from ..kernels.conv2d_cuda import conv2d_gemm_compute, load_granule
 from ..kernels.gemm import GemmSpec
 from . import cuda
 
-SCHEDULE_VERSION = 1  # part of the cache key (Conv2dSpec.key): bump when the binary changes
+SCHEDULE_VERSION = 2  # part of the cache key (Conv2dSpec.key): bump when the binary changes
 
 # Layers with few output channels (64 in ResNet-50's first stages) would waste half of a
 # 128-wide block on padded channels: they get blocks of 64 channels (and 2 x 32 per warp).
