@@ -426,8 +426,6 @@ torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_cont
 # One section for the conv op (schema, validation, CPU impl, fake kernel, autograd), kept
 # together so that it merges apart from the GEMM ops above.
 
-import weakref  # noqa: E402
-
 from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
 from .schedules.cpu_conv2d import pointwise_as_gemm, weight_block  # noqa: E402
 
@@ -597,32 +595,15 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, 
     return out
 
 
-# id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
-# used only while the weight is the same object with the same storage and version (an
-# in-place update, e.g. an optimizer step, bumps the version), and dropped with the weight.
-_PACKED: dict[int, tuple] = {}
-
-
 def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
-    """``weight`` in the blocked kernels' layout, packed once and reused while unchanged."""
-    dtype = getattr(torch, acc_dtype)
-    return _cached_weight(weight, (kb, dtype), lambda: pack_weight(weight, kb, dtype))
+    """``weight`` in the blocked kernels' layout, packed at every call.
 
-
-def _cached_weight(weight: Tensor, layout, pack: Callable[[], Tensor]) -> Tensor:
-    """``pack()`` (``weight`` in a kernel's ``layout``), made once and reused while unchanged."""
-    try:
-        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), layout)
-    except RuntimeError:  # an inference tensor has no version counter: pack every time
-        return pack()
-    key = id(weight)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == ident:
-        return hit[2]
-    packed = pack()
-    ref = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
-    _PACKED[key] = (ref, ident, packed)
-    return packed
+    Not cached across calls: no key sees every change of a weight (a write through
+    ``weight.data`` or a numpy view leaves ``_version`` as it was), and checking a cached
+    pack against the weight's content costs a pass over the weight, as packing does. oneDNN
+    reorders the weight of an eager ``F.conv2d`` at every call too.
+    """
+    return pack_weight(weight, kb, getattr(torch, acc_dtype))
 
 
 LIB.impl(_CONV, _conv2d_impl, "CPU")
@@ -677,7 +658,7 @@ def _conv2d_cuda_impl(
         spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, device="cuda")
         kernel = get_kernel(spec)
         x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
-        args = [x_nhwc, _cached_weight(weight, "krsc", lambda: _weight_krsc(weight))]
+        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _packed_weight)
         if bias is not None:
             args.append(bias.contiguous())
         with torch.cuda.device(x.device):  # (as in gemm: tvm_ffi uses torch's current stream)
