@@ -18,12 +18,18 @@ import os
 import tempfile
 import warnings
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from filelock import FileLock
 
 from . import build
+from .cache_trust import (
+    PRIVATE_FILE_MODE,
+    make_private_dir,
+    untrusted_dir,
+    untrusted_file,
+)
 from .schedules import cuda as cuda_schedules
 from .target import host_cpu
 
@@ -96,16 +102,18 @@ def _sha256(path: Path) -> str:
 
 
 def read_meta(path: Path) -> dict | None:
+    """The ``.json`` beside kernel ``path``, or None if missing or not a JSON object."""
     try:
-        return json.loads(_meta_path(path).read_text())
+        meta = json.loads(_meta_path(path).read_text())
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def is_intact(path: Path) -> bool:
     """True if ``path`` is a complete cached kernel (its recorded hash matches)."""
     meta = read_meta(path)
-    if meta is None or not path.exists():
+    if meta is None or not path.is_file():
         return False
     try:
         return path.stat().st_size == meta.get("size") and _sha256(path) == meta.get("sha256")
@@ -113,103 +121,212 @@ def is_intact(path: Path) -> bool:
         return False
 
 
+def _warn(message: str) -> None:
+    warnings.warn(f"torch_tvm_gemm: {message}", RuntimeWarning, stacklevel=4)
+
+
 def _load_cached(path: Path, name: str, device: str = "cpu") -> Any | None:
-    """The kernel function if ``path`` holds an intact cached kernel, else None."""
+    """The kernel function if ``path`` holds an intact, trusted cached kernel, else None
+    (then it is built anew). Safe against a concurrent ``clear``/``prune``: a file removed
+    between the checks and the load reads as a miss."""
     from .runtime import load_kernel_file
 
-    if not path.exists() and not _meta_path(path).exists():
+    meta = _meta_path(path)
+    if not os.path.lexists(path) and not os.path.lexists(meta):
+        return None
+    problem = untrusted_file(path) or untrusted_file(meta)
+    if problem is not None:
+        _warn(f"not loading cached kernel {path}: {problem}; rebuilding it")
+        _remove(path)
         return None
     if not is_intact(path):
-        warnings.warn(
-            f"torch_tvm_gemm: cached kernel {path} is corrupt or incomplete; rebuilding it",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        _remove(path)
+        if os.path.lexists(path) or os.path.lexists(meta):  # (else: removed meanwhile)
+            _warn(f"cached kernel {path} is corrupt or incomplete; rebuilding it")
+            _remove(path)
         return None
     try:
         os.utime(path)  # last use, for pruning; may fail on a read-only cache
     except OSError:
         pass
-    return load_kernel_file(path, name, device)
+    try:
+        return load_kernel_file(path, name, device)
+    except RuntimeError:
+        if not is_intact(path):  # removed or replaced while loading: a miss
+            return None
+        raise
+
+
+def _unlink(p: Path) -> None:
+    """Remove a file, link or (planted) directory at ``p``; nothing there is fine."""
+    import shutil
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 def _remove(path: Path) -> None:
     for p in (path, _meta_path(path)):
         try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+            _unlink(p)
         except OSError as err:  # read-only cache: nothing we can do but not use it
-            warnings.warn(f"torch_tvm_gemm: cannot remove {p}: {err}", RuntimeWarning, stacklevel=4)
+            _warn(f"cannot remove {p}: {err}")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _temp_file(final: Path) -> Path:
+    """A fresh temporary file beside ``final``, named ``<final name>.<random>.tmp``: the
+    kernel it belongs to is the part of its name before the first dot (see ``_stem``)."""
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def _stem(p: Path) -> str:
+    """The kernel a cache file belongs to: ``<name>-<hash>`` of its ``.so``, ``.json``,
+    ``.so.lock`` and temporary files (kernel names hold no dots)."""
+    return p.name.split(".", 1)[0]
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Temporary files of kernel ``path`` left by a killed process. Call with its lock
+    held: then no other process is writing them."""
+    for tmp in path.parent.glob(f"{path.stem}*.tmp"):
+        if _stem(tmp) == path.stem or tmp.name.startswith(path.stem + "."):
+            tmp.unlink(missing_ok=True)
+
+
+def _sync(path: Path) -> None:
+    """Flush ``path`` to its disk: a full disk can refuse blocks only at this point."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_complete_elf(path: Path) -> None:
+    """Raise OSError unless ``path`` is a whole ELF file: its section header table, which
+    linkers write last, must lie inside the file (a full disk can leave a truncated one)."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # (ELFCLASS64)
+        raise OSError(f"{path} is not a complete 64-bit ELF library ({size} bytes)")
+    order = "<" if head[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+    if shoff + shentsize * shnum > size:
+        raise OSError(f"{path} is truncated ({size} bytes, its headers end at {shoff})")
 
 
 def _export(executable: Any, path: Path, spec, seconds: float) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".so.tmp")
-    os.close(fd)
+    """Write the kernel and its ``.json`` into the cache; only a complete, flushed library
+    is renamed into place. Raises on failure (a full disk), leaving nothing behind."""
+    tmp = _temp_file(path)
     try:
-        executable.export_library(tmp)
+        executable.export_library(str(tmp))
+        os.chmod(tmp, PRIVATE_FILE_MODE)  # (the linker created it with the umask's mode)
+        _check_complete_elf(tmp)
+        _sync(tmp)
+        meta = {
+            "key": full_key(spec),
+            "name": spec.name(),
+            "sha256": _sha256(tmp),
+            "size": tmp.stat().st_size,
+            "build_seconds": round(seconds, 3),
+        }
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    meta = {
-        "key": full_key(spec),
-        "name": spec.name(),
-        "sha256": _sha256(path),
-        "size": path.stat().st_size,
-        "build_seconds": round(seconds, 3),
-    }
-    _atomic_write_text(_meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
+        tmp.unlink(missing_ok=True)
+    try:
+        _atomic_write_text(_meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
+    except BaseException:
+        path.unlink(missing_ok=True)  # a kernel without its .json would read as corrupt
+        raise
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = _temp_file(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _writable(directory: Path) -> bool:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(directory)
     except OSError:
         return False
     return os.access(directory, os.W_OK)
 
 
+def _in_memory(spec, executable: Any | None = None) -> Any:
+    """``spec``'s kernel built (or given) in memory, not cached."""
+    from .runtime import keep_alive
+
+    if executable is None:
+        executable, _ = build.compile_spec(spec)
+    keep_alive(executable)
+    return executable["main"]
+
+
 def load_or_build(spec) -> Any:
-    """The callable kernel for ``spec``: from the cache, or built (once) and cached."""
+    """The callable kernel for ``spec``: from the cache, or built (once) and cached.
+
+    A cache that cannot be used (read-only, not private to this user, full) gives a
+    warning and a kernel built in memory; a concurrent ``cache clear``/``prune`` reads as
+    a miss (the kernel is rebuilt).
+    """
     path = kernel_path(spec)
-    fn = _load_cached(path, spec.name(), spec.device)
-    if fn is not None:
-        return fn
+    writable = _writable(path.parent)
+    problem = untrusted_dir(path.parent.parent) or untrusted_dir(path.parent)
+    if problem is None:
+        fn = _load_cached(path, spec.name(), spec.device)
+        if fn is not None:
+            return fn
     if os.environ.get(ENV_NO_COMPILE, "") not in ("", "0"):
         raise KernelNotCachedError(
             f"torch_tvm_gemm: kernel {spec.name()} is not in the cache {kernels_dir()} and "
             f"{ENV_NO_COMPILE} forbids compiling it (build it once without {ENV_NO_COMPILE})"
         )
-    if not _writable(path.parent):
-        warnings.warn(
-            f"torch_tvm_gemm: cache dir {path.parent} is not writable; building "
-            f"{spec.name()} in memory only (set {ENV_CACHE_DIR} to a writable dir)",
-            RuntimeWarning,
-            stacklevel=2,
+    if not writable:
+        _warn(
+            f"cache dir {path.parent} is not writable; building {spec.name()} in memory "
+            f"only (set {ENV_CACHE_DIR} to a writable dir)"
         )
-        from .runtime import keep_alive
+        return _in_memory(spec)
+    if problem is not None:
+        _warn(
+            f"not using the kernel cache: {problem}, so others could run code in this "
+            f"process; building {spec.name()} in memory only (make it private: chmod 700 "
+            f"on it, or set {ENV_CACHE_DIR} to a directory of yours)"
+        )
+        return _in_memory(spec)
+    from .runtime import load_kernel_file
 
-        executable, _ = build.compile_spec(spec)
-        keep_alive(executable)
-        return executable["main"]
     with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
         fn = _load_cached(path, spec.name(), spec.device)  # built by another process meanwhile?
         if fn is not None:
             return fn
+        _remove_leftovers(path)
         executable, seconds = build.compile_spec(spec)
-        _export(executable, path, spec, seconds)
-    from .runtime import load_kernel_file
-
-    return load_kernel_file(path, spec.name(), spec.device)
+        try:
+            _export(executable, path, spec, seconds)
+        except Exception as err:  # e.g. a full disk: the kernel still works from memory
+            _warn(
+                f"cannot write {spec.name()} to the cache {path.parent} ({err}); using it from memory"
+            )
+            return _in_memory(spec, executable)
+        # Loaded under the lock: a concurrent clear or prune waits for it.
+        return load_kernel_file(path, spec.name(), spec.device)
 
 
 # --- management: list, prune, clear, export, import (``python -m torch_tvm_gemm cache``) ----
@@ -232,15 +349,19 @@ def entries() -> list[dict]:
             stat = path.stat()
         except OSError:  # removed meanwhile (a concurrent prune)
             continue
-        size = stat.st_size + (_meta_path(path).stat().st_size if _meta_path(path).exists() else 0)
+        meta_file = _meta_path(path)
+        size = stat.st_size + (meta_file.stat().st_size if meta_file.is_file() else 0)
+        key = meta.get("key")
         out.append(
             {
                 "path": path,
-                "name": meta.get("name", path.stem),
-                "key": meta.get("key", {}),
+                "name": str(meta.get("name", path.stem)),
+                "key": key if isinstance(key, dict) else {},
                 "size": size,
                 "last_use": stat.st_mtime,
-                "intact": meta.get("sha256") is not None and meta.get("size") == stat.st_size,
+                "intact": path.is_file()
+                and meta.get("sha256") is not None
+                and meta.get("size") == stat.st_size,
             }
         )
     return out
@@ -249,6 +370,29 @@ def entries() -> list[dict]:
 def total_size() -> int:
     root = cache_dir()
     return _dir_size(root) if root.exists() else 0
+
+
+def _kernel_lock(stem: str) -> FileLock:
+    """The build lock of kernel ``stem``, not waited for: held means in use right now."""
+    return FileLock(str(kernels_dir() / f"{stem}.so.lock"), timeout=0)
+
+
+def _remove_kernel(stem: str) -> int | None:
+    """Remove every file of kernel ``stem`` (library, metadata, leftover temporary files)
+    unless another process holds its lock (building or loading it): then None."""
+    lock = _kernel_lock(stem)
+    try:
+        with lock:
+            files = [p for p in kernels_dir().glob(f"{stem}*") if _stem(p) == stem]
+            removed = 0
+            for p in files:
+                if not p.name.endswith(".lock"):
+                    _unlink(p)
+                    removed += 1
+    except TimeoutError:  # (filelock.Timeout)
+        return None
+    Path(lock.lock_file).unlink(missing_ok=True)
+    return removed
 
 
 def prune(max_bytes: int) -> list[Path]:
@@ -264,30 +408,32 @@ def prune(max_bytes: int) -> list[Path]:
         if size <= max_bytes:
             break
         path = entry["path"]
-        lock = FileLock(str(path) + ".lock", timeout=0)
-        try:
-            with lock:
-                _remove(path)
-        except TimeoutError:
+        if _remove_kernel(path.stem) is None:
             continue
-        Path(str(path) + ".lock").unlink(missing_ok=True)
         size -= entry["size"]
         removed.append(path)
     return removed
 
 
-def clear(tuning: bool = True) -> int:
-    """Remove every cached kernel (and the tuning records if ``tuning``); files removed."""
+def clear(tuning: bool = True) -> tuple[int, int]:
+    """Remove every cached kernel (and the tuning records if ``tuning``). A kernel that
+    another process is building or loading right now is left alone. Returns (files
+    removed, kernels left because they were in use)."""
     import shutil
 
-    count = 0
-    for path in list(kernels_dir().glob("*")) if kernels_dir().exists() else []:
-        path.unlink(missing_ok=True)
-        count += 1
+    count = busy = 0
+    root = kernels_dir()
+    stems = sorted({_stem(p) for p in root.iterdir()}) if root.is_dir() else []
+    for stem in stems:
+        removed = _remove_kernel(stem)
+        if removed is None:
+            busy += 1
+        else:
+            count += removed
     if tuning and tuning_root().exists():
         count += sum(1 for p in tuning_root().rglob("*") if p.is_file())
         shutil.rmtree(tuning_root())
-    return count
+    return count, busy
 
 
 def _portable(path: Path) -> bool:
@@ -305,7 +451,7 @@ def export_cache(archive: Path) -> int:
         for sub in (kernels_dir(), tuning_root())
         if sub.exists()
         for p in sorted(sub.rglob("*"))
-        if p.is_file() and _portable(p.relative_to(root))
+        if p.is_file() and not p.is_symlink() and _portable(p.relative_to(root))
     ]
     with tarfile.open(archive, "w:gz") as tar:
         for p in files:
@@ -313,26 +459,75 @@ def export_cache(archive: Path) -> int:
     return len(files)
 
 
+class CacheImportError(ValueError):
+    """An archive that ``import_cache`` refuses as a whole (nothing of it is imported)."""
+
+
+_IMPORT_FOLDERS = ("kernels", "tuning")
+
+
+def _member_problem(member) -> str | None:
+    """Why an archive member must not be unpacked at all, or None."""
+    name = PurePosixPath(member.name)
+    if name.is_absolute() or ".." in name.parts:
+        return "a path outside the cache"
+    if not (member.isfile() or member.isdir()):
+        return "not a regular file or directory (a link or device)"
+    return None
+
+
 def import_cache(archive: Path, force: bool = False) -> tuple[int, list[str]]:
-    """Unpack an exported cache into this one. Kernels built for another target are
-    skipped (they would not run here) unless ``force``; returns (files added, skipped)."""
+    """Unpack an exported cache into this one; returns (files added, what was skipped).
+
+    Importing means trusting the archive's code: its kernels are loaded and run by every
+    process that uses this cache. Only regular files under ``kernels/`` and ``tuning/`` are
+    taken (others are skipped and listed); an archive holding a link, a device, an absolute
+    path or ``..`` is refused with ``CacheImportError`` and nothing of it is imported. Kernels
+    built for another target are skipped (they would not run here) unless ``force``. The
+    files are unpacked into a temporary folder first and moved into place once all are out.
+    """
+    import shutil
     import tarfile
 
     root = cache_dir()
     here = device_key("cpu")
-    added, skipped = 0, []
+    skipped = []
     with tarfile.open(archive, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.isfile()]
-        foreign = _foreign_kernels(tar, members, here)
-        for member in members:
-            stem = Path(member.name).with_suffix("").name
-            if member.name.startswith("kernels/") and stem in foreign and not force:
-                if member.name.endswith(".so"):
+        members = tar.getmembers()
+        for m in members:
+            problem = _member_problem(m)
+            if problem is not None:
+                raise CacheImportError(
+                    f"torch_tvm_gemm: refusing to import {archive}: member {m.name!r} is "
+                    f"{problem}; nothing was imported"
+                )
+        files = [m for m in members if m.isfile()]
+        foreign = _foreign_kernels(tar, files, here)
+        wanted = []
+        for m in files:
+            parts = PurePosixPath(m.name).parts
+            if parts[0] not in _IMPORT_FOLDERS or (parts[0] == "kernels" and len(parts) != 2):
+                skipped.append(f"{m.name} (not a kernel or tuning record)")
+                continue
+            stem = _stem(Path(m.name))
+            if parts[0] == "kernels" and stem in foreign and not force:
+                if m.name.endswith(".so"):
                     skipped.append(f"{stem} (built for {foreign[stem]}, this CPU is {here})")
                 continue
-            tar.extract(member, root, filter="data")  # no absolute paths or links out
-            added += 1
-    return added, skipped
+            wanted.append(m)
+        make_private_dir(kernels_dir())
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=".import-"))
+        try:
+            for m in wanted:  # ("data": no absolute paths or links; group/other write bits off)
+                tar.extract(m, staging, filter="data")
+            for m in wanted:
+                dest = root / m.name
+                make_private_dir(dest.parent)
+                os.chmod(staging / m.name, PRIVATE_FILE_MODE)
+                os.replace(staging / m.name, dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return len(wanted), skipped
 
 
 def _foreign_kernels(tar, members, here: str) -> dict[str, str]:
@@ -342,8 +537,9 @@ def _foreign_kernels(tar, members, here: str) -> dict[str, str]:
         if m.name.startswith("kernels/") and m.name.endswith(".json"):
             try:
                 key = json.loads(tar.extractfile(m).read()).get("key", {})
+                target = key.get("target")
             except (ValueError, AttributeError):
                 continue
-            if key.get("device", "cpu") == "cpu" and key.get("target") not in (None, here):
-                foreign[Path(m.name).with_suffix("").name] = key.get("target")
+            if key.get("device", "cpu") == "cpu" and target not in (None, here):
+                foreign[_stem(Path(m.name))] = target
     return foreign

@@ -53,6 +53,8 @@ def human(n: float) -> str:
 
 def describe(key: dict) -> tuple[str, str]:
     """(op, shapes) of a kernel key, as a user would name them."""
+    if key.get("family") == "conv2d":
+        return _describe_conv(key)
     op = "matmul" if key.get("b_layout") == "kn" else "linear"
     k = key.get("k") or "K"
     epi = (" +bias" if key.get("bias") else "") + (
@@ -61,6 +63,26 @@ def describe(key: dict) -> tuple[str, str]:
     tuned = " tuned" if key.get("tuned") else ""
     shapes = f"(M,{k})x({k},{key.get('n')}) {key.get('dtype', '?')}"
     return f"{op}/{key.get('variant', '?')}{epi}{tuned}", shapes
+
+
+def _describe_conv(key: dict) -> tuple[str, str]:
+    """A conv kernel: ``conv2d 3x3 +bias +relu``, ``(N,16,10,10)->32 s1 p1 float32``."""
+
+    def pair(name: str, default: int) -> str:
+        a, b = key.get(name) or (default, default)
+        return str(a) if a == b else f"{a}x{b}"
+
+    epi = (" +bias" if key.get("bias") else "") + (" +relu" if key.get("relu") else "")
+    groups = f" g{key['groups']}" if key.get("groups", 1) != 1 else ""
+    op = f"conv2d {key.get('r', '?')}x{key.get('s', '?')}{groups}{epi}"
+    geo = f"s{pair('stride', 1)} p{pair('padding', 0)}"
+    if tuple(key.get("dilation") or (1, 1)) != (1, 1):
+        geo += f" d{pair('dilation', 1)}"
+    shapes = (
+        f"(N,{key.get('c')},{key.get('h')},{key.get('w')})->{key.get('k')} {geo} "
+        f"{key.get('dtype', '?')}"
+    )
+    return op, shapes
 
 
 def run(args) -> int:
@@ -114,8 +136,10 @@ def _prune(args) -> int:
 def _clear(args) -> int:
     from torch_tvm_gemm import cache
 
-    n = cache.clear(tuning=not args.keep_tuning)
+    n, busy = cache.clear(tuning=not args.keep_tuning)
     print(f"removed {n} file(s) from {cache.cache_dir()}")
+    if busy:
+        print(f"left {busy} kernel(s) that another process is building or loading right now")
     return 0
 
 
@@ -133,7 +157,11 @@ def _import(args) -> int:
     if not args.path.exists():
         print(f"cache import: {args.path} does not exist")
         return 2
-    added, skipped = cache.import_cache(args.path, force=args.force)
+    try:
+        added, skipped = cache.import_cache(args.path, force=args.force)
+    except cache.CacheImportError as err:
+        print(f"cache import: {err}")
+        return 2
     print(f"added {added} file(s) to {cache.cache_dir()}")
     for s in skipped:
         print(f"skipped {s}")
