@@ -191,9 +191,10 @@ def _stem(p: Path) -> str:
 def _remove_leftovers(path: Path) -> None:
     """Temporary files of kernel ``path`` left by a killed process. Call with its lock
     held: then no other process is writing them."""
+    # (Every name that starts with the stem is this kernel's: stems end in a fixed-length
+    # hash. The glob also takes the older "<stem><random>.so.tmp" names.)
     for tmp in path.parent.glob(f"{path.stem}*.tmp"):
-        if _stem(tmp) == path.stem or tmp.name.startswith(path.stem + "."):
-            tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def _sync(path: Path) -> None:
