@@ -379,8 +379,8 @@ def _kernel_lock(stem: str) -> FileLock:
 
 
 def _remove_kernel(stem: str) -> int | None:
-    """Remove every file of kernel ``stem`` (library, metadata, leftover temporary files)
-    unless another process holds its lock (building or loading it): then None."""
+    """Remove the files of kernel ``stem`` (library, metadata, leftover temporary files;
+    returns how many) unless another process holds its lock (building it): then None."""
     lock = _kernel_lock(stem)
     try:
         with lock:
@@ -392,7 +392,8 @@ def _remove_kernel(stem: str) -> int | None:
                     removed += 1
     except TimeoutError:  # (filelock.Timeout)
         return None
-    Path(lock.lock_file).unlink(missing_ok=True)
+    # The (empty) lock file stays: removing it while another process waits on it would let
+    # a third one lock a new file of the same name and build beside the waiter.
     return removed
 
 
