@@ -358,6 +358,50 @@ def test_full_cache_disk_falls_back_to_memory(private_cache, monkeypatch, mode):
     assert cache.is_intact(cache.kernel_path(_spec()))
 
 
+@pytest.fixture
+def tiny_disk(tmp_path, monkeypatch):
+    """A cache on a tmpfs of a few KB (needs root and mount); yields (root, mount point)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+
+    def mount(kib: int) -> Path:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k,mode=700", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+        monkeypatch.setenv("TVM_GEMM_CACHE_DIR", str(mnt / "cache"))
+        runtime.clear_table()
+        return mnt / "cache"
+
+    yield mount
+    runtime.clear_table()
+    # (lazily: the kernel library loaded from it stays mapped until the process ends)
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("kib", [8, 24, 28, 32, 36, 64])
+def test_a_real_full_disk_never_leaves_a_broken_kernel(tiny_disk, kib):
+    """Whatever fits (here: nothing or part of the library up to 24 KiB, the library but
+    not its .json at 28, all from 32): the call works, and the cache holds a whole kernel
+    or none of it afterwards."""
+    root = tiny_disk(kib)
+    spec = GemmSpec("float32", 48, 40, "nk", True, "relu")
+    fn, caught = _caught(lambda: cache.load_or_build(spec))
+    a, w, b, out = torch.randn(3, 40), torch.randn(48, 40), torch.randn(48), torch.empty(3, 48)
+    fn(a, w, b, out)
+    torch.testing.assert_close(out, F.relu(F.linear(a, w, b)))
+    path = cache.kernel_path(spec)
+    left = sorted(p.name for p in (root / "kernels").iterdir() if not p.name.endswith(".lock"))
+    if cache.is_intact(path):
+        assert left == sorted([path.name, path.with_suffix(".json").name])
+    else:
+        assert left == [], left  # no truncated library, no temporary file
+        assert any("from memory" in w for w in caught), caught
+
+
 def test_leftover_temp_files_are_removed_by_the_next_build(private_cache):
     path = cache.kernel_path(_spec())
     path.parent.mkdir(parents=True)

@@ -140,7 +140,9 @@ def _load_cached(path: Path, name: str, device: str = "cpu") -> Any | None:
         _remove(path)
         return None
     if not is_intact(path):
-        if os.path.lexists(path) or os.path.lexists(meta):  # (else: removed meanwhile)
+        # A .json without its library is what a concurrent clear or prune leaves for a
+        # moment (the library goes first): a plain miss. Anything else is damage.
+        if os.path.lexists(path):
             _warn(f"cached kernel {path} is corrupt or incomplete; rebuilding it")
             _remove(path)
         return None
