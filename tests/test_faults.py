@@ -461,6 +461,24 @@ def test_code_others_can_write_is_not_loaded(private_cache, tmp_path, where):
     assert any("not using the kernel cache" in w or "not loading" in w for w in caught), caught
 
 
+@pytest.mark.parametrize("where", ["record_dir", "record_file"])
+def test_tuning_records_others_can_write_are_ignored(private_cache, where):
+    """A tuning record is a schedule trace that is replayed and compiled: code, too."""
+    from torch_tvm_gemm import tune
+
+    spec = _spec()
+    record = tune.tuning_dir(spec) / tune.BEST
+    dirs = [private_cache, tune.tuning_root(), record.parent]
+    for d in dirs:
+        d.mkdir(mode=0o700, exist_ok=True)
+    record.write_text(json.dumps({"trace": [], "kept": True}))
+    record.chmod(0o600)
+    assert tune.read_best(spec) is not None
+    (record.parent if where == "record_dir" else record).chmod(0o777)
+    best, caught = _caught(lambda: tune.read_best(spec))
+    assert best is None and any("ignoring tuning record" in w for w in caught), caught
+
+
 def _archive(tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> Path:
     path = tmp_path / "pack.tar.gz"
     with tarfile.open(path, "w:gz") as tar:

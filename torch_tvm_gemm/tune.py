@@ -43,6 +43,7 @@ from typing import Any
 from filelock import FileLock
 
 from . import cache
+from .cache_trust import PRIVATE_FILE_MODE, make_private_dir, untrusted_dir, untrusted_file
 from .kernels.gemm import GemmSpec, gemm_compute
 from .target import host_cpu
 
@@ -86,6 +87,22 @@ def read_best(spec: GemmSpec, warn: bool = True) -> dict | None:
     """The verdict of the last tuning of ``spec``, or None (absent or unreadable)."""
     path = tuning_dir(spec) / BEST
     if not path.exists():
+        return None
+    # A record is a schedule trace that is replayed and compiled (its annotations can
+    # bring in code): read only from folders that no one else can write.
+    for where in (cache.cache_dir(), tuning_root(), path.parent):
+        problem = untrusted_dir(where)
+        if problem is not None:
+            break
+    problem = problem or untrusted_file(path)
+    if problem is not None:
+        if warn:
+            warnings.warn(
+                f"torch_tvm_gemm: ignoring tuning record {path}: {problem} (the hand "
+                "schedule is used)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return None
     try:
         best = json.loads(path.read_text())
@@ -298,7 +315,7 @@ def _rewrite(path: Path, lines: list[str]) -> None:
 def open_database(work_dir: Path):
     from tvm.s_tir import meta_schedule as ms
 
-    work_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(work_dir)
     sanitize_database(work_dir)
     return ms.database.JSONDatabase(work_dir=str(work_dir))
 
@@ -455,7 +472,7 @@ def tune_spec(
     compare it with the hand schedule and write the verdict. Runs under a file lock: a
     second process tuning the same kernel waits, then finds the work done."""
     work_dir = tuning_dir(spec)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(work_dir)
     deadline = time.monotonic() + time_budget_s
     with FileLock(str(work_dir / "lock"), timeout=max(1.0, time_budget_s)):
         with _no_tensor_intrinsics(space == "hand"):
@@ -671,6 +688,7 @@ def _plain(obj: Any) -> Any:
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text)
+    os.chmod(tmp, PRIVATE_FILE_MODE)  # (read_best trusts only records others cannot write)
     os.replace(tmp, path)
 
 
