@@ -11,8 +11,9 @@ import pytest
 from torch_tvm_gemm.__main__ import main
 from torch_tvm_gemm.cli.cache import parse_size
 from torch_tvm_gemm.kernels.gemm import GemmSpec
-from torch_tvm_gemm.runtime import cache
+from torch_tvm_gemm.runtime import cache, cache_admin
 from torch_tvm_gemm.runtime.table import clear_table
+from torch_tvm_gemm.target import device_key
 
 
 @pytest.fixture
@@ -35,25 +36,25 @@ def test_list_and_info(filled, capsys):
     assert main(["cache", "list"]) == 0
     out = capsys.readouterr().out
     assert out.count("linear/gemm") == 3 and "(M,8)x(8,16) float32" in out
-    assert cache.device_key("cpu") in out and "KiB" in out
+    assert device_key("cpu") in out and "KiB" in out
     assert main(["cache", "info"]) == 0
     assert "kernels:        3" in capsys.readouterr().out
 
 
 def test_prune_respects_the_cap_and_removes_least_recently_used(filled, capsys):
-    sizes = [e["size"] for e in cache.entries()]
-    cap = cache.total_size() - min(sizes) // 2  # one kernel must go
+    sizes = [e["size"] for e in cache_admin.entries()]
+    cap = cache_admin.total_size() - min(sizes) // 2  # one kernel must go
     assert main(["cache", "prune", "--max-size", str(cap)]) == 0
-    assert cache.total_size() <= cap
+    assert cache_admin.total_size() <= cap
     assert not filled[0].exists() and filled[1].exists() and filled[2].exists()
     assert "removed 1 kernel" in capsys.readouterr().out
     main(["cache", "prune", "--max-size", "0"])
-    assert cache.entries() == []
+    assert cache_admin.entries() == []
 
 
 def test_clear(filled):
     assert main(["cache", "clear"]) == 0
-    assert cache.entries() == [] and not filled[0].exists()
+    assert cache_admin.entries() == [] and not filled[0].exists()
 
 
 def test_export_import_roundtrip_skips_foreign_targets(filled, tmp_path, capsys):

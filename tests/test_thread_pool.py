@@ -11,8 +11,8 @@ import torch
 from conftest import assert_close, randn
 
 import torch_tvm_gemm as tg
-from torch_tvm_gemm import _ext
-from torch_tvm_gemm.runtime import cache, loader
+from torch_tvm_gemm import _ext, config
+from torch_tvm_gemm.runtime import loader
 
 needs_ext = pytest.mark.skipif(_ext.load() is None, reason="C++ extension not built")
 
@@ -20,7 +20,7 @@ needs_ext = pytest.mark.skipif(_ext.load() is None, reason="C++ extension not bu
 def _loaded_kernel_files() -> list[str]:
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so")}
-    root = str(cache.kernels_dir())
+    root = str(config.kernels_dir())
     return sorted(p for p in paths if p.startswith(root))
 
 

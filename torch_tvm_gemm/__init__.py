@@ -20,6 +20,8 @@ from torch import Tensor
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
 from .fusion import FusionSummary, TVMConv2dBiasReLU, convert, fuse_conv_bias_relu
 from .nn import TVMLinear, swap_linear, unswap_linear
+from .runtime.build_worker import KernelBuildError
+from .runtime.precompile import precompile_specs
 
 __all__ = ["matmul", "linear", "TVMLinear", "swap_linear", "unswap_linear"]
 __all__ += [
@@ -28,6 +30,8 @@ __all__ += [
     "fuse_conv_bias_relu",
     "convert",
     "FusionSummary",
+    "KernelBuildError",
+    "precompile_specs",
 ]
 __version__ = "0.1.0"
 

@@ -385,14 +385,27 @@ def _linear_setup(ctx, inputs, output) -> None:
     x, weight, bias, activation = (list(inputs) + [None, "none"][len(inputs) - 2 :])[:4]
     ctx.activation = activation
     ctx.has_bias = bias is not None
-    # relu's derivative needs only the output; gelu's needs the pre-activation, recomputed
-    # in the backward rather than kept alive between forward and backward.
-    ctx.save_for_backward(
-        x,
-        weight,
-        bias if activation == "gelu" else None,
-        output if activation == "relu" else None,
-    )
+    ctx.x_shape = x.shape
+    need_x, need_w = ctx.needs_input_grad[:2]
+    # Only what the backward needs is kept (an inference tensor cannot be saved at all, and
+    # torch accepts one where it is not needed). relu's derivative needs only the output;
+    # gelu's needs the pre-activation, recomputed in the backward from x, weight and bias
+    # rather than kept alive between forward and backward.
+    if activation == "gelu":
+        ctx.save_for_backward(_saveable(x), _saveable(weight), _saveable(bias), None)
+    else:
+        ctx.save_for_backward(
+            x if need_w else None,
+            weight if need_x else None,
+            None,
+            output if activation == "relu" else None,
+        )
+
+
+def _saveable(t: Tensor | None) -> Tensor | None:
+    """``t``, or a normal copy of an inference tensor (those cannot be saved for backward):
+    where torch saves the pre-activation of a GELU, a normal tensor, we keep its inputs."""
+    return t.clone() if t is not None and t.is_inference() else t
 
 
 def _linear_backward(ctx, grad: Tensor):
@@ -406,7 +419,7 @@ def _linear_backward(ctx, grad: Tensor):
     mm = torch.ops.tvm_gemm.matmul
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:  # dX = dZ @ W
-        grad_x = mm(grad2, weight).reshape(x.shape)
+        grad_x = mm(grad2, weight).reshape(ctx.x_shape)
     if ctx.needs_input_grad[1]:  # dW = dZ^T @ X
         grad_w = mm(grad2.t(), _rows(x))
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -420,8 +433,6 @@ torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_cont
 # --- conv2d + bias + relu -------------------------------------------------------------------
 # One section for the conv op (schema, validation, CPU impl, fake kernel, autograd), kept
 # together so that it merges apart from the GEMM ops above.
-
-import weakref  # noqa: E402
 
 from .kernels.conv2d import Conv2dSpec, pack_weight  # noqa: E402
 from .schedules.cpu_conv2d import pointwise_as_gemm, weight_block  # noqa: E402
@@ -505,7 +516,8 @@ def check_conv2d(
             ),
         )
         out_hw.append((padded - extent) // stride[dim] + 1)
-    return [x.shape[0], k, *out_hw]
+    # Without input channels torch returns no output channels either (not relu(bias)).
+    return [x.shape[0], k if x.shape[1] else 0, *out_hw]
 
 
 def conv2d_spec(
@@ -554,8 +566,8 @@ def _conv2d_impl(
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0 or weight.shape[1] == 0:
-        return _conv2d_trivial(out, bias, relu)
+    if out.numel() == 0:  # (no input channels included: check_conv2d)
+        return out
     spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu)
     if pointwise_as_gemm(spec):
         return _pointwise_conv(x, weight, bias, relu, out)
@@ -568,15 +580,6 @@ def _conv2d_impl(
         args.append(bias.contiguous())
     kernel(*[_aligned(t) for t in args], out)  # out: fresh, hence aligned
     return out
-
-
-def _conv2d_trivial(out: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
-    """``out`` filled for a conv with nothing to compute: an empty output, or no input
-    channels (an empty sum: relu(bias) or zeros)."""
-    if out.numel() == 0:
-        return out
-    zero = bias.view(1, -1, 1, 1).expand(out.shape) if bias is not None else out.zero_()
-    return out.copy_(torch.relu(zero) if relu else zero)
 
 
 def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, out: Tensor):
@@ -592,32 +595,15 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, 
     return out
 
 
-# id(weight) -> (weakref to it, its identity at packing time, packed weight). An entry is
-# used only while the weight is the same object with the same storage and version (an
-# in-place update, e.g. an optimizer step, bumps the version), and dropped with the weight.
-_PACKED: dict[int, tuple] = {}
-
-
 def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
-    """``weight`` in the blocked kernels' layout, packed once and reused while unchanged."""
-    dtype = getattr(torch, acc_dtype)
-    return _cached_weight(weight, (kb, dtype), lambda: pack_weight(weight, kb, dtype))
+    """``weight`` in the blocked kernels' layout, packed at every call.
 
-
-def _cached_weight(weight: Tensor, layout, pack: Callable[[], Tensor]) -> Tensor:
-    """``pack()`` (``weight`` in a kernel's ``layout``), made once and reused while unchanged."""
-    try:
-        ident = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), layout)
-    except RuntimeError:  # an inference tensor has no version counter: pack every time
-        return pack()
-    key = id(weight)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == ident:
-        return hit[2]
-    packed = pack()
-    ref = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
-    _PACKED[key] = (ref, ident, packed)
-    return packed
+    Not cached across calls: no key sees every change of a weight (a write through
+    ``weight.data`` or a numpy view leaves ``_version`` as it was), and checking a cached
+    pack against the weight's content costs a pass over the weight, as packing does. oneDNN
+    reorders the weight of an eager ``F.conv2d`` at every call too.
+    """
+    return pack_weight(weight, kb, getattr(torch, acc_dtype))
 
 
 LIB.impl(_CONV, _conv2d_impl, "CPU")
@@ -666,13 +652,11 @@ def _conv2d_cuda_impl(
     # The kernel writes NHWC: ``nhwc`` is its output, ``out`` the same memory as N, K, OH, OW.
     nhwc = torch.empty((n, oh, ow, k), dtype=x.dtype, device=x.device)
     out = nhwc.permute(0, 3, 1, 2)
-    if out.numel() == 0 or weight.shape[1] == 0:
-        out = _conv2d_trivial(out, bias, relu)
-    else:
+    if out.numel() != 0:  # (no input channels: no output channels, see check_conv2d)
         spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, device="cuda")
         kernel = get_kernel(spec)
         x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
-        args = [x_nhwc, _cached_weight(weight, "krsc", lambda: _weight_krsc(weight))]
+        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _packed_weight)
         if bias is not None:
             args.append(bias.contiguous())
         with torch.cuda.device(x.device):  # (as in gemm: tvm_ffi uses torch's current stream)
@@ -720,14 +704,26 @@ def _conv2d_setup(ctx, inputs, output) -> None:
         groups,
     )
     ctx.bias_sizes = None if bias is None else list(bias.shape)
-    # relu's derivative needs only the output: the pre-activation is never kept.
-    ctx.save_for_backward(x, weight, output if relu else None)
+    ctx.x_shape, ctx.w_shape = x.shape, weight.shape
+    need_x, need_w = ctx.needs_input_grad[:2]
+    # Only what the backward needs (an inference tensor cannot be saved; torch accepts one
+    # where no gradient needs it): dX needs the weight, dW the input, relu's derivative only
+    # the output (the pre-activation is never kept).
+    ctx.save_for_backward(
+        x if need_w else None, weight if need_x else None, output if relu else None
+    )
 
 
 def _conv2d_backward(ctx, grad: Tensor):
     x, weight, output = ctx.saved_tensors
     if output is not None:
         grad = grad * (output > 0)
+    # An operand whose values no requested gradient reads is passed as a shape only, as
+    # torch.nn.grad.conv2d_input / conv2d_weight do.
+    if x is None:
+        x = grad.new_empty(1).expand(ctx.x_shape)
+    if weight is None:
+        weight = grad.new_empty(1).expand(ctx.w_shape)
     stride, padding, dilation, groups = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(

@@ -53,6 +53,8 @@ def human(n: float) -> str:
 
 def describe(key: dict) -> tuple[str, str]:
     """(op, shapes) of a kernel key, as a user would name them."""
+    if key.get("family") == "conv2d":
+        return _describe_conv(key)
     op = "matmul" if key.get("b_layout") == "kn" else "linear"
     k = key.get("k") or "K"
     epi = (" +bias" if key.get("bias") else "") + (
@@ -63,16 +65,37 @@ def describe(key: dict) -> tuple[str, str]:
     return f"{op}/{key.get('variant', '?')}{epi}{tuned}", shapes
 
 
+def _describe_conv(key: dict) -> tuple[str, str]:
+    """A conv kernel: ``conv2d 3x3 +bias +relu``, ``(N,16,10,10)->32 s1 p1 float32``."""
+
+    def pair(name: str, default: int) -> str:
+        a, b = key.get(name) or (default, default)
+        return str(a) if a == b else f"{a}x{b}"
+
+    epi = (" +bias" if key.get("bias") else "") + (" +relu" if key.get("relu") else "")
+    groups = f" g{key['groups']}" if key.get("groups", 1) != 1 else ""
+    op = f"conv2d {key.get('r', '?')}x{key.get('s', '?')}{groups}{epi}"
+    geo = f"s{pair('stride', 1)} p{pair('padding', 0)}"
+    if tuple(key.get("dilation") or (1, 1)) != (1, 1):
+        geo += f" d{pair('dilation', 1)}"
+    shapes = (
+        f"(N,{key.get('c')},{key.get('h')},{key.get('w')})->{key.get('k')} {geo} "
+        f"{key.get('dtype', '?')}"
+    )
+    return op, shapes
+
+
 def run(args) -> int:
     return ACTIONS[args.action](args)
 
 
 def _list(args) -> int:
-    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm import config
+    from torch_tvm_gemm.runtime import cache_admin
 
-    rows = cache.entries()
+    rows = cache_admin.entries()
     if not rows:
-        print(f"no kernels in {cache.kernels_dir()}")
+        print(f"no kernels in {config.kernels_dir()}")
         return 0
     print(f"{'op':<28} {'shapes':<34} {'target':<24} {'size':>10}  last use")
     for e in sorted(rows, key=lambda e: -e["last_use"]):
@@ -87,24 +110,26 @@ def _list(args) -> int:
 
 
 def _info(args) -> int:
-    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm import config
+    from torch_tvm_gemm.runtime import cache_admin
+    from torch_tvm_gemm.target import device_key
 
-    rows = cache.entries()
-    tuned = list(cache.tuning_root().glob("*/best.json")) if cache.tuning_root().exists() else []
-    print(f"cache dir:      {cache.cache_dir()}")
+    rows = cache_admin.entries()
+    tuned = list(config.tuning_root().glob("*/best.json")) if config.tuning_root().exists() else []
+    print(f"cache dir:      {config.cache_dir()}")
     print(f"kernels:        {len(rows)} ({human(sum(e['size'] for e in rows))})")
     print(f"tuning records: {len(tuned)} kernel(s) tuned")
-    print(f"total size:     {human(cache.total_size())}")
-    print(f"this CPU:       {cache.device_key('cpu')}")
+    print(f"total size:     {human(cache_admin.total_size())}")
+    print(f"this CPU:       {device_key('cpu')}")
     return 0
 
 
 def _prune(args) -> int:
-    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm.runtime import cache_admin
 
-    before = cache.total_size()
-    removed = cache.prune(args.max_size)
-    after = cache.total_size()
+    before = cache_admin.total_size()
+    removed = cache_admin.prune(args.max_size)
+    after = cache_admin.total_size()
     print(f"removed {len(removed)} kernel(s): {human(before)} -> {human(after)}")
     if after > args.max_size:
         print(f"still over {human(args.max_size)}: tuning records are kept (clear removes them)")
@@ -112,29 +137,37 @@ def _prune(args) -> int:
 
 
 def _clear(args) -> int:
-    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm import config
+    from torch_tvm_gemm.runtime import cache_admin
 
-    n = cache.clear(tuning=not args.keep_tuning)
-    print(f"removed {n} file(s) from {cache.cache_dir()}")
+    n, busy = cache_admin.clear(tuning=not args.keep_tuning)
+    print(f"removed {n} file(s) from {config.cache_dir()}")
+    if busy:
+        print(f"left {busy} kernel(s) that another process is building or loading right now")
     return 0
 
 
 def _export(args) -> int:
-    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm.runtime import cache_admin
 
-    n = cache.export_cache(args.path)
+    n = cache_admin.export_cache(args.path)
     print(f"wrote {n} file(s) to {args.path}")
     return 0
 
 
 def _import(args) -> int:
-    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm import config
+    from torch_tvm_gemm.runtime import cache_admin
 
     if not args.path.exists():
         print(f"cache import: {args.path} does not exist")
         return 2
-    added, skipped = cache.import_cache(args.path, force=args.force)
-    print(f"added {added} file(s) to {cache.cache_dir()}")
+    try:
+        added, skipped = cache_admin.import_cache(args.path, force=args.force)
+    except cache_admin.CacheImportError as err:
+        print(f"cache import: {err}")
+        return 2
+    print(f"added {added} file(s) to {config.cache_dir()}")
     for s in skipped:
         print(f"skipped {s}")
     return 0

@@ -43,6 +43,7 @@ from filelock import FileLock
 
 from ..kernels.gemm import GemmSpec
 from ..measure import check_correct, time_interleaved
+from ..runtime.cache_trust import PRIVATE_FILE_MODE, make_private_dir
 from ..runtime.records import BEST, tuning_dir
 from .tune_space import apply_trace, hand_space, tuned_compute
 
@@ -122,7 +123,7 @@ def _rewrite(path: Path, lines: list[str]) -> None:
 def open_database(work_dir: Path):
     from tvm.s_tir import meta_schedule as ms
 
-    work_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(work_dir)
     sanitize_database(work_dir)
     return ms.database.JSONDatabase(work_dir=str(work_dir))
 
@@ -279,7 +280,7 @@ def tune_spec(
     compare it with the hand schedule and write the verdict. Runs under a file lock: a
     second process tuning the same kernel waits, then finds the work done."""
     work_dir = tuning_dir(spec)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(work_dir)
     deadline = time.monotonic() + time_budget_s
     with FileLock(str(work_dir / "lock"), timeout=max(1.0, time_budget_s)):
         with _no_tensor_intrinsics(space == "hand"):
@@ -495,6 +496,7 @@ def _plain(obj: Any) -> Any:
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text)
+    os.chmod(tmp, PRIVATE_FILE_MODE)  # (read_best trusts only records others cannot write)
     os.replace(tmp, path)
 
 

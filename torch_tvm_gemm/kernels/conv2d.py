@@ -15,15 +15,18 @@ Two variants of the math, chosen by the schedule:
   ``[ceil(K/kb), C/groups, R, S, kb]`` in the accumulation dtype (``pack_weight``), so a
   block of ``kb`` output channels is one run of vectors; the accumulator is laid out
   ``(N, K/kb, OH, OW, kb)``. Needs each block of ``kb`` output channels to lie inside one
-  group (``kb`` divides ``K/groups``, or groups == 1). The packing is not in the kernel:
-  packing a 512x512x3x3 weight cost as much as the convolution itself at batch 1 (its
-  strided reads conflict in L1), and a weight is packed once and reused by every call.
+  group (``kb`` divides ``K/groups``, or groups == 1). The packing is not in the kernel
+  (there, packing a 512x512x3x3 weight cost as much as the convolution itself at batch 1:
+  its strided reads conflict in L1); the caller packs with torch at every call (a cached
+  pack would go stale on writes no version counter sees, see ops.py ``_packed_weight``).
 * "direct" (``k_block`` None): one output channel at a time, any groups (e.g. depthwise).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from . import epilogue
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -178,7 +181,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         if spec.groups > 1 and kg % kb:
             raise ValueError(f"k_block {kb} must divide K/groups = {kg}")
         blocks_per_group = kg // kb if spec.groups > 1 else 1
-        # Packed by the caller (ops.py, once per weight, see ``pack_weight``).
+        # Packed by the caller (ops.py, at every call, see ``pack_weight``).
         w_pack = te.placeholder((kp // kb, cg, spec.r, spec.s, kb), acc, name="w_packed")
         weight = w_pack
 
@@ -205,7 +208,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         if spec.bias:
             v = v + bias[k].astype(acc)
         if spec.relu:
-            v = tirx.max(v, tirx.const(0, acc))
+            v = epilogue.relu(v, acc)
         return v.astype(spec.dtype)
 
     out = te.compute((n, spec.k, oh, ow), final, name="out")

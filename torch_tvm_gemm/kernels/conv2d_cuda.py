@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from . import epilogue
 from .conv2d import Conv2dSpec
 
 
@@ -123,7 +124,7 @@ def conv2d_gemm_compute(
         if spec.bias:
             v = v + bias[j].astype(acc)
         if spec.relu:  # once, on the final sum
-            v = tirx.max(v, tirx.const(0, acc))
+            v = epilogue.relu(v, acc)
         return v.astype(spec.dtype)
 
     out = te.compute((M, i64(spec.k)), final, name="out")

@@ -89,18 +89,16 @@ class GemmSpec:
 
 
 def apply_activation(x, activation: str, dtype: str):
-    """The activation on a TE/TIR expression, applied once to the final sum."""
-    from tvm import tirx
+    """The activation on a TE/TIR expression, applied once to the final sum (NaN and inf
+    as in torch: ``kernels/epilogue.py``)."""
+    from . import epilogue
 
     if activation == "none":
         return x
     if activation == "relu":
-        return tirx.max(x, tirx.const(0, dtype))
+        return epilogue.relu(x, dtype)
     if activation == "gelu":  # exact erf form, as torch.nn.functional.gelu
-        half = tirx.const(0.5, dtype)
-        return (
-            half * x * (tirx.const(1, dtype) + tirx.erf(x * tirx.const(0.7071067811865476, dtype)))
-        )
+        return epilogue.gelu(x, dtype)
     raise ValueError(f"unknown activation {activation!r}")
 
 

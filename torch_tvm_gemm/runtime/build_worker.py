@@ -78,11 +78,13 @@ def _boot() -> str:
 class KernelBuildError(RuntimeError):
     """A kernel could not be built: its compile worker died (the exit code or signal and
     its last output are in the message) or could not start, or the build failed with an
-    error that could not be passed on as itself. ``kernel``: the kernel's name."""
+    error that could not be passed on as itself. ``kernel``: the kernel's name;
+    ``exit_code``: the dead worker's (negative: the signal), None if it did not die."""
 
-    def __init__(self, message: str, kernel: str = "") -> None:
+    def __init__(self, message: str, kernel: str = "", exit_code: int | None = None) -> None:
         super().__init__(message)
         self.kernel = kernel
+        self.exit_code = exit_code
 
 
 def in_process() -> bool:
@@ -145,6 +147,7 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
             f"({died.cause}); the kernel was not built, the next build starts a new worker"
             + (f". The worker's last output:\n{died.stderr}" if died.stderr else ""),
             kernel=spec.name(),
+            exit_code=died.code,
         ) from None
     finally:
         _release(worker, healthy)
@@ -213,9 +216,9 @@ def _error_of(reply: dict, spec) -> BaseException:
 
 
 class _WorkerDied(Exception):
-    def __init__(self, cause: str, stderr: str) -> None:
+    def __init__(self, cause: str, stderr: str, code: int | None) -> None:
         super().__init__(cause)
-        self.cause, self.stderr = cause, stderr
+        self.cause, self.stderr, self.code = cause, stderr, code
 
 
 class _Worker:
@@ -271,7 +274,7 @@ class _Worker:
             self.kill()
             code = self.proc.returncode
         self._drain.join(timeout=5)
-        return _WorkerDied(_describe_exit(code), self._tail.decode(errors="replace").strip())
+        return _WorkerDied(_describe_exit(code), self._tail.decode(errors="replace").strip(), code)
 
     def stop(self) -> None:
         """Ask an idle worker to exit (the end of its input); kill it if it does not."""

@@ -7,7 +7,7 @@ a disk error, a hand edit) is detected, reported and rebuilt rather than loaded.
 
 Build protocol (as in flashinfer's JIT): try to load; else take a file lock on the kernel,
 try to load again (another process may have built it meanwhile), have a compile worker
-(``runtime/build_worker.py``) build the kernel into a temporary file, rename it into place (atomic),
+(``build_worker.py``) build the library into a temporary file, rename it into place (atomic),
 write the ``.json`` last, release the lock.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,15 +28,19 @@ from .. import schedules
 from ..config import (
     ENV_CACHE_DIR,
     ENV_NO_COMPILE,
-    cache_dir,
     compile_forbidden,
     dist_version,
     kernels_dir,
-    tuning_root,
 )
 from ..schedules import cuda as cuda_schedules
 from ..target import cuda_arch, device_key
 from . import build_worker
+from .cache_trust import (
+    PRIVATE_FILE_MODE,
+    make_private_dir,
+    untrusted_dir,
+    untrusted_file,
+)
 from .loader import load_kernel_file
 from .records import tuned_key
 
@@ -48,7 +53,7 @@ class KernelNotCachedError(RuntimeError):
 
 def full_key(spec) -> dict:
     """Everything that changes the binary: the spec, target, TVM and schedule versions, and
-    the kept tuning record if any (``tune.tuned_key``: a tuned build never collides with the
+    the kept tuning record if any (``records.tuned_key``: a tuned build never collides with the
     hand one, and a re-tuned kernel is rebuilt)."""
     key = {
         **spec.key(),
@@ -69,7 +74,7 @@ def kernel_path(spec) -> Path:
     return kernels_dir() / f"{spec.name()}-{digest[:16]}.so"
 
 
-def _meta_path(path: Path) -> Path:
+def meta_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
@@ -78,16 +83,18 @@ def _sha256(path: Path) -> str:
 
 
 def read_meta(path: Path) -> dict | None:
+    """The ``.json`` beside kernel ``path``, or None if missing or not a JSON object."""
     try:
-        return json.loads(_meta_path(path).read_text())
+        meta = json.loads(meta_path(path).read_text())
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def is_intact(path: Path) -> bool:
     """True if ``path`` is a complete cached kernel (its recorded hash matches)."""
     meta = read_meta(path)
-    if meta is None or not path.exists():
+    if meta is None or not path.is_file():
         return False
     try:
         return path.stat().st_size == meta.get("size") and _sha256(path) == meta.get("sha256")
@@ -95,64 +102,148 @@ def is_intact(path: Path) -> bool:
         return False
 
 
+def _warn(message: str) -> None:
+    warnings.warn(f"torch_tvm_gemm: {message}", RuntimeWarning, stacklevel=4)
+
+
 def _load_cached(path: Path, name: str, device: str = "cpu") -> Any | None:
-    """The kernel function if ``path`` holds an intact cached kernel, else None."""
-    if not path.exists() and not _meta_path(path).exists():
+    """The kernel function if ``path`` holds an intact, trusted cached kernel, else None
+    (then it is built anew). Safe against a concurrent ``clear``/``prune``: a file removed
+    between the checks and the load reads as a miss."""
+    meta = meta_path(path)
+    if not os.path.lexists(path) and not os.path.lexists(meta):
+        return None
+    problem = untrusted_file(path) or untrusted_file(meta)
+    if problem is not None:
+        _warn(f"not loading cached kernel {path}: {problem}; rebuilding it")
+        _remove(path)
         return None
     if not is_intact(path):
-        warnings.warn(
-            f"torch_tvm_gemm: cached kernel {path} is corrupt or incomplete; rebuilding it",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        _remove(path)
+        # A .json without its library is what a concurrent clear or prune leaves for a
+        # moment (the library goes first): a plain miss. Anything else is damage.
+        if os.path.lexists(path):
+            _warn(f"cached kernel {path} is corrupt or incomplete; rebuilding it")
+            _remove(path)
         return None
     try:
         os.utime(path)  # last use, for pruning; may fail on a read-only cache
     except OSError:
         pass
-    return load_kernel_file(path, name, device)
+    try:
+        return load_kernel_file(path, name, device)
+    except RuntimeError:
+        if not is_intact(path):  # removed or replaced while loading: a miss
+            return None
+        raise
+
+
+def unlink_any(p: Path) -> None:
+    """Remove a file, link or (planted) directory at ``p``; nothing there is fine."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 def _remove(path: Path) -> None:
-    for p in (path, _meta_path(path)):
+    for p in (path, meta_path(path)):
         try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+            unlink_any(p)
         except OSError as err:  # read-only cache: nothing we can do but not use it
-            warnings.warn(f"torch_tvm_gemm: cannot remove {p}: {err}", RuntimeWarning, stacklevel=4)
+            _warn(f"cannot remove {p}: {err}")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _temp_file(final: Path) -> Path:
+    """A fresh temporary file beside ``final``, named ``<final name>.<random>.tmp``: the
+    kernel it belongs to is the part of its name before the first dot (see ``kernel_stem``)."""
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def kernel_stem(p: Path) -> str:
+    """The kernel a cache file belongs to: ``<name>-<hash>`` of its ``.so``, ``.json``,
+    ``.so.lock`` and temporary files (kernel names hold no dots)."""
+    return p.name.split(".", 1)[0]
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Temporary files of kernel ``path`` left by a killed process. Call with its lock
+    held: then no other process is writing them."""
+    # (Every name that starts with the stem is this kernel's: stems end in a fixed-length
+    # hash. The glob also takes the older "<stem><random>.so.tmp" names.)
+    for tmp in path.parent.glob(f"{path.stem}*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def _sync(path: Path) -> None:
+    """Flush ``path`` to its disk: a full disk can refuse blocks only at this point."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_complete_elf(path: Path) -> None:
+    """Raise OSError unless ``path`` is a whole ELF file: its section header table, which
+    linkers write last, must lie inside the file (a full disk can leave a truncated one)."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # (ELFCLASS64)
+        raise OSError(f"{path} is not a complete 64-bit ELF library ({size} bytes)")
+    order = "<" if head[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+    if shoff + shentsize * shnum > size:
+        raise OSError(f"{path} is truncated ({size} bytes, its headers end at {shoff})")
 
 
 def _export(path: Path, spec) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".so.tmp")
-    os.close(fd)
+    """Build the kernel (in a compile worker) and write it and its ``.json`` into the cache;
+    only a complete, flushed library is renamed into place. Raises on failure (a full
+    disk), leaving nothing behind."""
+    tmp = _temp_file(path)
     try:
         seconds = build_worker.build(spec, tmp, _arch(spec))  # a worker writes the library
+        os.chmod(tmp, PRIVATE_FILE_MODE)  # (the linker created it with the umask's mode)
+        _check_complete_elf(tmp)
+        _sync(tmp)
+        meta = {
+            "key": full_key(spec),
+            "name": spec.name(),
+            "sha256": _sha256(tmp),
+            "size": tmp.stat().st_size,
+            "build_seconds": round(seconds, 3),
+        }
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    meta = {
-        "key": full_key(spec),
-        "name": spec.name(),
-        "sha256": _sha256(path),
-        "size": path.stat().st_size,
-        "build_seconds": round(seconds, 3),
-    }
-    _atomic_write_text(_meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
+        tmp.unlink(missing_ok=True)
+    try:
+        _atomic_write_text(meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
+    except BaseException:
+        path.unlink(missing_ok=True)  # a kernel without its .json would read as corrupt
+        raise
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = _temp_file(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _writable(directory: Path) -> bool:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(directory)
     except OSError:
         return False
     return os.access(directory, os.W_OK)
@@ -163,170 +254,80 @@ def _arch(spec) -> str | None:
     return cuda_arch() if spec.device == "cuda" else None
 
 
-def _build_private(spec) -> Any:
-    """Build ``spec`` into a private temporary dir and load it from there (the library can
-    go once loaded: the loaded copy stays mapped)."""
+def _in_memory(spec) -> Any:
+    """``spec``'s kernel, not cached: built into a private temporary dir and loaded from
+    there (the library can go once loaded: the loaded copy stays mapped)."""
     with tempfile.TemporaryDirectory(prefix="tvm_gemm_") as tmp:
         path = os.path.join(tmp, spec.name() + ".so")
         build_worker.build(spec, path, _arch(spec))
         return load_kernel_file(path, spec.name(), spec.device)
 
 
+LOW_SPACE_BYTES = 16 << 20  # less free space than this in the cache: a build may not fit
+
+
+def _disk_trouble(err: Exception, directory: Path) -> bool:
+    """Whether building into the cache failed in a way a private build may not (a full or
+    size-limited disk): an OSError, a worker that exited (LLVM ends the process on an I/O
+    failure), or any error while the cache's disk is (nearly) full (the linker's failure
+    arrives as TVM's RuntimeError). A worker killed by a signal (out of memory, a kill) is
+    not retried."""
+    if isinstance(err, build_worker.KernelBuildError) and err.exit_code is not None:
+        return err.exit_code > 0
+    if isinstance(err, OSError):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < LOW_SPACE_BYTES
+    except OSError:
+        return True
+
+
 def load_or_build(spec) -> Any:
-    """The callable kernel for ``spec``: from the cache, or built (once) and cached."""
+    """The callable kernel for ``spec``: from the cache, or built (once) and cached.
+
+    A cache that cannot be used (read-only, not private to this user, full) gives a
+    warning and a kernel built in memory; a concurrent ``cache clear``/``prune`` reads as
+    a miss (the kernel is rebuilt).
+    """
     path = kernel_path(spec)
-    fn = _load_cached(path, spec.name(), spec.device)
-    if fn is not None:
-        return fn
+    writable = _writable(path.parent)
+    problem = untrusted_dir(path.parent.parent) or untrusted_dir(path.parent)
+    if problem is None:
+        fn = _load_cached(path, spec.name(), spec.device)
+        if fn is not None:
+            return fn
     if compile_forbidden():
         raise KernelNotCachedError(
             f"torch_tvm_gemm: kernel {spec.name()} is not in the cache {kernels_dir()} and "
             f"{ENV_NO_COMPILE} forbids compiling it (build it once without {ENV_NO_COMPILE})"
         )
-    if not _writable(path.parent):
-        warnings.warn(
-            f"torch_tvm_gemm: cache dir {path.parent} is not writable; building "
-            f"{spec.name()} in memory only (set {ENV_CACHE_DIR} to a writable dir)",
-            RuntimeWarning,
-            stacklevel=2,
+    if not writable:
+        _warn(
+            f"cache dir {path.parent} is not writable; building {spec.name()} in memory "
+            f"only (set {ENV_CACHE_DIR} to a writable dir)"
         )
-        return _build_private(spec)
+        return _in_memory(spec)
+    if problem is not None:
+        _warn(
+            f"not using the kernel cache: {problem}, so others could run code in this "
+            f"process; building {spec.name()} in memory only (make it private: chmod 700 "
+            f"on it, or set {ENV_CACHE_DIR} to a directory of yours)"
+        )
+        return _in_memory(spec)
     with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
         fn = _load_cached(path, spec.name(), spec.device)  # built by another process meanwhile?
         if fn is not None:
             return fn
-        _export(path, spec)
-    return load_kernel_file(path, spec.name(), spec.device)
-
-
-# --- management: list, prune, clear, export, import (``python -m torch_tvm_gemm cache``) ----
-
-
-def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def entries() -> list[dict]:
-    """Every cached kernel: path, name, key, size (library + metadata), last use, intact."""
-    out = []
-    for path in sorted(kernels_dir().glob("*.so")):
-        meta = read_meta(path) or {}
+        _remove_leftovers(path)
         try:
-            stat = path.stat()
-        except OSError:  # removed meanwhile (a concurrent prune)
-            continue
-        size = stat.st_size + (_meta_path(path).stat().st_size if _meta_path(path).exists() else 0)
-        out.append(
-            {
-                "path": path,
-                "name": meta.get("name", path.stem),
-                "key": meta.get("key", {}),
-                "size": size,
-                "last_use": stat.st_mtime,
-                "intact": meta.get("sha256") is not None and meta.get("size") == stat.st_size,
-            }
-        )
-    return out
-
-
-def total_size() -> int:
-    root = cache_dir()
-    return _dir_size(root) if root.exists() else 0
-
-
-def prune(max_bytes: int) -> list[Path]:
-    """Remove least-recently-used kernels until the cache holds at most ``max_bytes``.
-
-    Tuning records count towards the size but are not removed: they cost minutes to hours
-    of measurement, a kernel only seconds of compiling. A kernel being built or loaded by
-    another process (its lock held) is skipped.
-    """
-    removed = []
-    size = total_size()
-    for entry in sorted(entries(), key=lambda e: e["last_use"]):
-        if size <= max_bytes:
-            break
-        path = entry["path"]
-        lock = FileLock(str(path) + ".lock", timeout=0)
-        try:
-            with lock:
-                _remove(path)
-        except TimeoutError:
-            continue
-        Path(str(path) + ".lock").unlink(missing_ok=True)
-        size -= entry["size"]
-        removed.append(path)
-    return removed
-
-
-def clear(tuning: bool = True) -> int:
-    """Remove every cached kernel (and the tuning records if ``tuning``); files removed."""
-    import shutil
-
-    count = 0
-    for path in list(kernels_dir().glob("*")) if kernels_dir().exists() else []:
-        path.unlink(missing_ok=True)
-        count += 1
-    if tuning and tuning_root().exists():
-        count += sum(1 for p in tuning_root().rglob("*") if p.is_file())
-        shutil.rmtree(tuning_root())
-    return count
-
-
-def _portable(path: Path) -> bool:
-    """What travels in an export: libraries, metadata, databases; not locks or logs."""
-    return not (path.suffix in (".lock", ".tmp") or "logs" in path.parts or path.name == "lock")
-
-
-def export_cache(archive: Path) -> int:
-    """Write kernels and tuning records to a .tar.gz; returns the number of files."""
-    import tarfile
-
-    root = cache_dir()
-    files = [
-        p
-        for sub in (kernels_dir(), tuning_root())
-        if sub.exists()
-        for p in sorted(sub.rglob("*"))
-        if p.is_file() and _portable(p.relative_to(root))
-    ]
-    with tarfile.open(archive, "w:gz") as tar:
-        for p in files:
-            tar.add(p, arcname=str(p.relative_to(root)))
-    return len(files)
-
-
-def import_cache(archive: Path, force: bool = False) -> tuple[int, list[str]]:
-    """Unpack an exported cache into this one. Kernels built for another target are
-    skipped (they would not run here) unless ``force``; returns (files added, skipped)."""
-    import tarfile
-
-    root = cache_dir()
-    here = device_key("cpu")
-    added, skipped = 0, []
-    with tarfile.open(archive, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.isfile()]
-        foreign = _foreign_kernels(tar, members, here)
-        for member in members:
-            stem = Path(member.name).with_suffix("").name
-            if member.name.startswith("kernels/") and stem in foreign and not force:
-                if member.name.endswith(".so"):
-                    skipped.append(f"{stem} (built for {foreign[stem]}, this CPU is {here})")
-                continue
-            tar.extract(member, root, filter="data")  # no absolute paths or links out
-            added += 1
-    return added, skipped
-
-
-def _foreign_kernels(tar, members, here: str) -> dict[str, str]:
-    """Kernel stems whose metadata names a CPU target other than ``here``."""
-    foreign = {}
-    for m in members:
-        if m.name.startswith("kernels/") and m.name.endswith(".json"):
-            try:
-                key = json.loads(tar.extractfile(m).read()).get("key", {})
-            except (ValueError, AttributeError):
-                continue
-            if key.get("device", "cpu") == "cpu" and key.get("target") not in (None, here):
-                foreign[Path(m.name).with_suffix("").name] = key.get("target")
-    return foreign
+            _export(path, spec)
+        except Exception as err:
+            if not _disk_trouble(err, path.parent):
+                raise
+            _warn(
+                f"cannot write {spec.name()} to the cache {path.parent} ({err}); using it "
+                "from memory"
+            )
+            return _in_memory(spec)
+        # Loaded under the lock: a concurrent clear or prune waits for it.
+        return load_kernel_file(path, spec.name(), spec.device)

@@ -129,15 +129,57 @@ def keep_alive(obj: Any) -> None:
     _alive.append(obj)
 
 
+# Each loaded kernel library costs ~5 memory maps (and ~29 KB) for the life of the process:
+# its functions are handed out (to the op tables, the C++ one too), so it is never unloaded.
+# Past vm.max_map_count (65530 by default) every mmap fails, torch's allocations included,
+# so loading stops with a clear error while a margin of maps is left for the rest.
+MAP_MARGIN_FRACTION = 0.1  # of vm.max_map_count, kept free for everything else
+MAP_CHECK_EVERY = 32  # loads between two counts of this process's maps
+_loaded_libraries = 0
+
+
+def _max_map_count() -> int | None:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None  # not Linux: no such limit to watch
+
+
+def _map_count() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+def _check_map_room(name: str) -> None:
+    """Raise before a kernel load would bring the process near ``vm.max_map_count``."""
+    if _loaded_libraries % MAP_CHECK_EVERY:
+        return
+    limit = _max_map_count()
+    if limit is None:
+        return
+    used = _map_count()
+    if used > limit * (1 - MAP_MARGIN_FRACTION):
+        raise RuntimeError(
+            f"torch_tvm_gemm: not loading kernel {name}: this process has {used} memory maps, "
+            f"near the system's limit vm.max_map_count={limit}, with {_loaded_libraries} kernel "
+            "libraries loaded (~5 maps each, never unloaded). Each distinct shape (static N "
+            "and K of a linear, conv geometry and input size) is a kernel: use fewer, or raise "
+            "the limit (sysctl vm.max_map_count)"
+        )
+
+
 def load_kernel_file(path: os.PathLike, name: str, device: str = "cpu") -> Any:
     """Load an exported kernel library and return its ``main`` function."""
+    global _loaded_libraries
     ensure_runtime(device)
+    _check_map_room(name)
     try:
         module = tvm_ffi.load_module(str(path))
         fn = module["main"]
     except Exception as err:  # a file that passed its hash check but does not load
         raise RuntimeError(f"torch_tvm_gemm: cannot load kernel {name} from {path}: {err}") from err
     keep_alive(module)
+    _loaded_libraries += 1
     if device == "cpu":
         _launch_on_torch_pool(path)
     return fn

@@ -13,9 +13,10 @@ import json
 import warnings
 from pathlib import Path
 
-from ..config import dist_version, tuning_root
+from ..config import cache_dir, dist_version, tuning_root
 from ..kernels.gemm import GemmSpec
 from ..target import device_key
+from .cache_trust import untrusted_dir, untrusted_file
 
 SPACE_VERSION = 3  # bump when the tuning design space changes: old records no longer replay
 BEST = "best.json"
@@ -40,6 +41,22 @@ def read_best(spec: GemmSpec, warn: bool = True) -> dict | None:
     """The verdict of the last tuning of ``spec``, or None (absent or unreadable)."""
     path = tuning_dir(spec) / BEST
     if not path.exists():
+        return None
+    # A record is a schedule trace that is replayed and compiled (its annotations can
+    # bring in code): read only from folders that no one else can write.
+    for where in (cache_dir(), tuning_root(), path.parent):
+        problem = untrusted_dir(where)
+        if problem is not None:
+            break
+    problem = problem or untrusted_file(path)
+    if problem is not None:
+        if warn:
+            warnings.warn(
+                f"torch_tvm_gemm: ignoring tuning record {path}: {problem} (the hand "
+                "schedule is used)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return None
     try:
         best = json.loads(path.read_text())

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 3  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
 # ops.py (and csrc/, given these two numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several

@@ -21,7 +21,7 @@ import functools
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 3  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
 
 
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]

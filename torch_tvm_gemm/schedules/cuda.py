@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..kernels.gemm import GemmSpec, gemm_compute
 from . import cuda_intrin, cuda_intrin_tf32, cuda_intrin_wmma
 
-SCHEDULE_VERSION = 2  # part of the cache key: bump when a schedule changes the binary
+SCHEDULE_VERSION = 3  # part of the cache key: bump when a schedule changes the binary
 # (2: nvcc -maxrregcount=255, WMMA and TF32 schedules)
 MIN_ARCH = 70  # below Volta: no kernels (ops.py raises a clear error)
 MMA_MIN_ARCH = 80  # ldmatrix + mma.sync m16n8k16 with bf16, cp.async

@@ -138,7 +138,8 @@ def wgmma_gemm_func(
         if bias:
             acc_value = acc_value + T.cast(bias_buf[col], "float32")
         if relu:
-            acc_value = T.max(acc_value, T.float32(0))
+            # (not max(x, 0), which turns NaN into 0: see kernels/epilogue.py)
+            acc_value = T.Select(acc_value < T.float32(0), T.float32(0), acc_value)
         return T.cast(acc_value, "float16")
 
     def body(A, B, bias_buf, C):
