@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 3  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
 # ops.py (and csrc/, given these two numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -88,7 +88,22 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     # Pack each panel right before its use, by the thread that uses it, while it is in
     # cache (measured +5-10% at M=256 over packing all of B first).
     sch.compute_at(b_pad, jo)
+    if spec.b_layout == "nk":
+        _transpose_in_tiles(sch, b_pad, vec)
     sch.decompose_reduction(acc, k)
+
+
+def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
+    """Pack a "nk" B (a Linear weight, read along K) into N-contiguous panels by VEC x VEC
+    tiles: per tile, VEC vector loads along K, unrolled over VEC rows, which LLVM turns into an
+    in-register transpose. Left as one (n, k) loop nest, the pack wrote one float per cache
+    line per step and cost four times the math at M=32 (docs/inference-shapes.md)."""
+    n, k = sch.get_loops(b_pad)[-2:]
+    k0, k1 = sch.split(k, [None, vec])
+    n0, n1 = sch.split(n, [None, vec])
+    sch.reorder(k0, n0, n1, k1)
+    sch.unroll(n1)
+    sch.vectorize(k1)
 
 
 def _schedule_gemv_kn(sch, spec: GemmSpec, nr: int, vec: int) -> None:
