@@ -52,9 +52,10 @@ def test_linear_small_and_large_m(m):
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 17, 33, 127, 513])
-@pytest.mark.parametrize("k,n", [(50, 70), (96, 130)])
+@pytest.mark.parametrize("k,n", [(50, 70), (96, 130), (77, 100)])
 def test_linear_every_m_range(m, k, n):
-    # K and N off the pack's 16-wide tiles and the 64-wide panels; M off the 6-row tile.
+    # Every variant (gemv at M=1, dot at 2..32 when the weight has >= 4096 elements, packed
+    # gemm), K and N off the 16-wide vectors and the register tiles, M off the row tiles.
     x, w, b = randn(m, k), randn(n, k), randn(n)
     assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from . import _ext
 from .kernels.gemm import ACTIVATIONS, GemmSpec
 from .runtime import get_kernel, on_clear_table, sync_threads
-from .schedules.cpu import GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
+from .schedules.cpu import DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
 
 LIB = torch.library.Library("tvm_gemm", "DEF")  # noqa: TOR901 (ops defined here, once)
 LIB.define("matmul(Tensor a, Tensor b) -> Tensor")
@@ -262,7 +262,7 @@ def gemm(
         b_layout,
         bias is not None,
         activation,
-        gemm_variant(m, n, k),
+        gemm_variant(m, n, k, b_layout, device),
         device,
         bias_axis,
         cuda and a.dtype == torch.float32 and _use_tf32(a),
@@ -853,6 +853,7 @@ def use_impl(path: str) -> str:
         ext.register_impls(
             GEMV_MAX_M,
             GEMV_MIN_B_ELEMENTS,
+            DOT_MAX_M,
             list(ACTIVATIONS),
             [_DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
         )

@@ -27,7 +27,9 @@ class GemmSpec:
     b_layout: str  # "kn" or "nk"
     bias: bool = False
     activation: str = "none"
-    variant: str = "gemm"  # schedule family: "gemm" (packed B, any M) or "gemv" (small M)
+    # schedule family: "gemm" (packed B, any M), "gemv" (small M), "dot" (CPU, layout "nk",
+    # M from 2 to a few dozen; see schedules/cpu.py)
+    variant: str = "gemm"
     device: str = "cpu"
     bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)
     # CUDA fp32 only: multiply on tensor cores with TF32 inputs (10-bit mantissa, fp32 sums),
