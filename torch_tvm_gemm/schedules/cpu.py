@@ -20,7 +20,7 @@ summed once at the end. At these M, packing the weight on every call costs as mu
 
 from __future__ import annotations
 
-from ..kernels.gemm import GemmSpec, gemm_compute
+from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..target import CpuInfo, host_cpu
 
 SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
@@ -60,7 +60,10 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
 
     cpu = cpu or host_cpu()
     mr, nr, vec = _tile(spec, cpu)
-    if spec.variant == "dot":
+    if spec.batched:
+        sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
+        _schedule_packed_batched(sch, spec, mr, nr, vec)
+    elif spec.variant == "dot":
         if spec.b_layout != "nk":
             raise ValueError(f"bad GemmSpec {spec}: the dot variant reads a (N, K) weight")
         sch = s_tir.Schedule(gemm_compute(spec, *DOT_TILE))
@@ -202,3 +205,34 @@ def _schedule_dot_nk(sch, spec: GemmSpec, vec: int) -> None:
     if _gemv_parallel(spec, -(-spec.n // nr)):
         sch.parallel(jo)
     sch.decompose_reduction(rf, ko)
+
+
+def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+    """The packed schedule per batch entry, (batch, N panel) fused into one parallel loop: one
+    launch for the whole batch, each task packing and using its own panel."""
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+    a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
+    if spec.dtype == spec.acc_dtype:
+        sch.compute_inline(a_pad)
+    else:
+        sch.parallel(sch.fuse(*sch.get_loops(a_pad)[:2]))
+    if spec.b_layout == "kn":
+        sch.transform_layout(b_pad, ("write", 0), lambda b, k, n: (b, n // nr, k, n % nr))
+    else:
+        sch.transform_layout(b_pad, ("write", 0), lambda b, n, k: (b, n // nr, k, n % nr))
+    b, i, j, k = sch.get_loops(acc)
+    io, ii = sch.split(i, [None, mr])
+    jo, ji = sch.split(j, [None, nr])
+    jio, jii = sch.split(ji, [None, vec])
+    sch.reorder(b, jo, io, k, ii, jio, jii)
+    task = sch.fuse(b, jo)
+    sch.reverse_compute_at(out, io)
+    sch.set_scope(acc, 0, "local")
+    sch.unroll(ii)
+    sch.unroll(jio)
+    sch.vectorize(jii)
+    sch.parallel(task)
+    sch.compute_at(b_pad, task)
+    if spec.b_layout == "nk":
+        _transpose_in_tiles(sch, b_pad, vec)
+    sch.decompose_reduction(acc, k)
