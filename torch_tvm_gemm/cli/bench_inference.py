@@ -172,6 +172,10 @@ def run(args) -> int:
         for bh in ATTENTION_BH:
             for r in _bmm_rows(bh, args.repeats):
                 show(r)
+    # A busy machine only lowers the probe: measured again after the rows, the higher kept.
+    peak_after = fma_peak_gflops(threads)
+    if peak_after > peak:
+        print(f"FMA peak measured again after the rows: {peak_after:.0f} GFLOPS")
     ratios = [r["ratio"] for r in rows]
     geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
     print(f"geometric mean ratio {geo:.2f}x over {len(rows)} rows; min {min(ratios):.2f}x")
@@ -182,7 +186,7 @@ def run(args) -> int:
                     "cpu": cpu.model,
                     "threads": threads,
                     "load": load,
-                    "peak_gflops": peak,
+                    "peak_gflops": max(peak, peak_after),
                     "rows": rows,
                 },
                 f,
