@@ -70,6 +70,14 @@ def test_batched_matmul_is_one_kernel(m, k, n, dtype):
     assert {s.b_layout for s in specs} == {"kn", "nk"}
 
 
+@pytest.mark.parametrize("m", [2, 7, 33])
+def test_matmul_by_a_transposed_weight(m):
+    # b = w.T of a contiguous w is read in place as "nk" with a symbolic K: the dot variant
+    # for 2 <= M <= 32 (B of >= 4096 elements), the packed kernel above.
+    a, w = randn(m, 130), randn(40, 130)
+    assert_close(tg.matmul(a, w.t()), a @ w.t(), 130)
+
+
 def test_batched_matmul_broadcast_and_non_contiguous_batch():
     a = randn(1, 9, 40).expand(6, 9, 40)  # broadcast batch (stride 0)
     b = randn(12, 40, 20)[::2]  # every other batch entry: not contiguous
