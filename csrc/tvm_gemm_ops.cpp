@@ -47,7 +47,8 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Configuration handed over by ops.py at registration, so that the constants have one home
-// (schedules/cpu.py GEMV_MAX_M and GEMV_MIN_B_ELEMENTS, kernels/gemm.py ACTIVATIONS, ops.py SUPPORTED_DTYPES).
+// (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS and DOT_MAX_M, kernels/gemm.py ACTIVATIONS,
+// ops.py SUPPORTED_DTYPES).
 
 struct DtypeInfo {
   at::ScalarType scalar;
@@ -67,6 +68,7 @@ constexpr std::array<DtypeInfo, 4> kKnownDtypes{{
 struct Config {
   int64_t gemv_max_m = 0;
   int64_t gemv_min_b_elements = 0;
+  int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
@@ -141,6 +143,16 @@ template <typename... Args>
 // The kernel table: every field of GemmSpec (plus the device index), mapped to the function
 // handle Python gave us.
 
+// GemmSpec.variant names, indexed by KernelKey::variant.
+constexpr std::array<const char*, 3> kVariants{{"gemm", "gemv", "dot"}};
+
+// schedules/cpu.py gemm_variant() for CPU kernels, with its constants.
+int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk) {
+  const bool big_b = n * k >= g_config.gemv_min_b_elements;
+  if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return 2;
+  return m <= g_config.gemv_max_m && big_b ? 1 : 0;
+}
+
 struct KernelKey {
   const DtypeInfo* dtype;
   int64_t n;
@@ -148,13 +160,14 @@ struct KernelKey {
   bool b_nk;  // b_layout "nk" (else "kn")
   bool bias;
   int activation;  // index into g_config.activations
-  bool gemv;       // variant "gemv" (else "gemm")
+  int variant;     // index into kVariants
+  bool batched;    // 3-D @ 3-D, the batch a parallel axis (GemmSpec.batched)
   c10::DeviceType device_type;
   c10::DeviceIndex device_index;
 
   bool operator==(const KernelKey& o) const {
     return dtype == o.dtype && n == o.n && k == o.k && b_nk == o.b_nk && bias == o.bias &&
-           activation == o.activation && gemv == o.gemv && device_type == o.device_type &&
+           activation == o.activation && variant == o.variant && batched == o.batched && device_type == o.device_type &&
            device_index == o.device_index;
   }
 };
@@ -167,8 +180,8 @@ struct KernelKeyHash {
     };
     mix(static_cast<uint64_t>(key.n));
     mix(static_cast<uint64_t>(key.k));
-    mix((key.b_nk ? 1u : 0u) | (key.bias ? 2u : 0u) | (key.gemv ? 4u : 0u) |
-        (static_cast<uint64_t>(key.activation) << 3));
+    mix((key.b_nk ? 1u : 0u) | (key.bias ? 2u : 0u) | (static_cast<uint64_t>(key.variant) << 2) | (key.batched ? 16u : 0u) |
+        (static_cast<uint64_t>(key.activation) << 5));
     mix((static_cast<uint64_t>(key.device_type) << 16) |
         static_cast<uint64_t>(static_cast<uint16_t>(key.device_index)));
     return h;
@@ -213,7 +226,7 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
   try {
     tvm::ffi::Function get_kernel = tvm::ffi::Function::GetGlobalRequired("tvm_gemm.get_kernel");
     fn = get_kernel(key.dtype->name, key.n, key.k, key.b_nk ? "nk" : "kn", key.bias,
-                    g_config.activations[key.activation], key.gemv ? "gemv" : "gemm", "cpu")
+                    g_config.activations[key.activation], kVariants[key.variant], "cpu", key.batched)
              .cast<tvm::ffi::Function>();
   } catch (const tvm::ffi::Error& err) {
     // Raise the Python exception itself (kept by the handler), as the Python path would;
@@ -305,8 +318,8 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                       b_nk,
                       bias.has_value(),
                       act,
-                      // schedules/cpu.py gemm_variant(), with its two constants
-                      m <= g_config.gemv_max_m && n * k >= g_config.gemv_min_b_elements,
+                      gemm_variant(m, n, k, b_nk),
+                      /*batched=*/false,
                       a.device().type(),
                       c10::DeviceIndex(0)};
   tvm::ffi::Function kernel = lookup_kernel(key);
@@ -358,6 +371,33 @@ at::Tensor rows(const at::Tensor& t) {
   return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), k});
 }
 
+// Mirrors ops._matmul_batched: (batch, M, K) @ (batch, K, N), a possibly broadcast, as one
+// kernel launch; a batch of transposed contiguous matrices is read in place as "nk".
+at::Tensor matmul_batched(const at::Tensor& a, const at::Tensor& b, int64_t batch, int64_t m,
+                          int64_t n) {
+  const int64_t k = a.size(-1);
+  at::Tensor out = at::empty({batch, m, n}, a.options());
+  if (out.numel() == 0) return out;
+  if (k == 0) return out.zero_();
+  const DtypeInfo& dtype = *find_dtype(a.scalar_type());
+  const bool nk = !b.is_contiguous() && b.transpose(1, 2).is_contiguous();
+  const KernelKey key{&dtype, n, -1, nk, false, g_config.none_activation, /*variant gemm*/ 0,
+                      /*batched=*/true, a.device().type(), c10::DeviceIndex(0)};
+  tvm::ffi::Function kernel = lookup_kernel(key);
+  sync_threads();
+  const at::Tensor ac = aligned(a.expand({batch, m, k}).contiguous());
+  const at::Tensor bc = aligned(nk ? b.transpose(1, 2) : b.contiguous());
+  DLTensor dl_a = dl_view(ac, dtype);
+  DLTensor dl_b = dl_view(bc, dtype);
+  DLTensor dl_out = dl_view(out, dtype);  // fresh, hence aligned
+  try {
+    kernel(&dl_a, &dl_b, &dl_out);
+  } catch (const tvm::ffi::Error& err) {
+    rethrow_ffi_error(err, "the TVM kernel failed");
+  }
+  return out;
+}
+
 at::Tensor matmul_impl(const at::Tensor& a, const at::Tensor& b) {
   if (!matmul_ok(a, b)) raise_python_check("check_matmul", a, b);
   const int64_t m = a.size(-2);
@@ -370,13 +410,10 @@ at::Tensor matmul_impl(const at::Tensor& a, const at::Tensor& b) {
   }
   const int64_t ba = a.dim() == 3 ? a.size(0) : 1;
   const int64_t batch = ba == 1 ? b.size(0) : ba;
-  const at::Tensor a3 = a.expand({batch, m, a.size(-1)});
-  const at::Tensor b3 = b.expand({batch, b.size(-2), n});
-  at::Tensor out = at::empty({batch, m, n}, a.options());
-  for (int64_t i = 0; i < batch; ++i) {  // one kernel call per batch entry: each a full GEMM
-    matmul_2d(a3.select(0, i), b3.select(0, i), out.select(0, i));
+  if (b.size(0) == 1) {  // one B for the whole batch: one GEMM over all rows of a
+    return matmul_2d(rows(a), b.select(0, 0)).reshape({batch, m, n});
   }
-  return out;
+  return matmul_batched(a, b, batch, m, n);
 }
 
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
@@ -468,13 +505,14 @@ void register_autograd_fast_path(c10::DispatchKey autograd_key) {
 // to test one on.
 std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 
-void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements,
+void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot_max_m,
                     const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, bool autograd_fast_path) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   Config config;
   config.gemv_max_m = gemv_max_m;
   config.gemv_min_b_elements = gemv_min_b_elements;
+  config.dot_max_m = dot_max_m;
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -524,7 +562,7 @@ int64_t parallel_launch_address();  // parallel_launch.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
-        py::arg("gemv_min_b_elements"), py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
+        py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -51,6 +51,15 @@ def test_linear_small_and_large_m(m):
     assert_close(tg.linear(x, w, b, "gelu"), reference(x, w, b, "gelu"), 64)
 
 
+@pytest.mark.parametrize("m", [1, 2, 7, 17, 33, 127, 513])
+@pytest.mark.parametrize("k,n", [(50, 70), (96, 130), (77, 100)])
+def test_linear_every_m_range(m, k, n):
+    # Every variant (gemv at M=1, dot at 2..32 when the weight has >= 4096 elements, packed
+    # gemm), K and N off the 16-wide vectors and the register tiles, M off the row tiles.
+    x, w, b = randn(m, k), randn(n, k), randn(n)
+    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
+
+
 def test_linear_non_contiguous():
     x = randn(9, 80)[:, ::2]
     w = randn(40, 19).t()  # (19, 40), not contiguous

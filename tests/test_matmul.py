@@ -7,6 +7,7 @@ import torch
 from conftest import DTYPES, assert_close, randn
 
 import torch_tvm_gemm as tg
+from torch_tvm_gemm.runtime import table
 
 # (M, K, N); (5, 70, 65) takes the gemv variant (M <= 16 and a B of >= 4096 elements).
 SHAPES_2D = [
@@ -51,6 +52,42 @@ def test_one_kernel_serves_every_m(m):
 def test_matmul_batched(shape_a, shape_b):
     a, b = randn(*shape_a), randn(*shape_b)
     assert_close(tg.matmul(a, b), torch.matmul(a, b), 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,k,n", [(1, 33, 5), (17, 64, 70), (33, 7, 130)])
+def test_batched_matmul_is_one_kernel(m, k, n, dtype):
+    # A batch of products is one batched kernel (the batch a parallel axis), for B given
+    # as (batch, K, N) and as a batch of transposed matrices (attention's K^T), read in place.
+    a = randn(5, m, k, dtype=dtype)
+    b = randn(5, k, n, dtype=dtype)
+    bt = randn(5, n, k, dtype=dtype).transpose(1, 2)
+    table.clear_table()
+    for rhs in (b, bt):
+        assert_close(tg.matmul(a, rhs), torch.matmul(a.double(), rhs.double()), k)
+    specs = list(table._table)
+    assert len(specs) == 2 and all(s.batched for s in specs)
+    assert {s.b_layout for s in specs} == {"kn", "nk"}
+
+
+@pytest.mark.parametrize("m", [2, 7, 33])
+def test_matmul_by_a_transposed_weight(m):
+    # b = w.T of a contiguous w is read in place as "nk" with a symbolic K: the dot variant
+    # for 2 <= M <= 32 (B of >= 4096 elements), the packed kernel above.
+    a, w = randn(m, 130), randn(40, 130)
+    assert_close(tg.matmul(a, w.t()), a @ w.t(), 130)
+
+
+def test_batched_matmul_broadcast_and_non_contiguous_batch():
+    a = randn(1, 9, 40).expand(6, 9, 40)  # broadcast batch (stride 0)
+    b = randn(12, 40, 20)[::2]  # every other batch entry: not contiguous
+    assert_close(tg.matmul(a, b), torch.matmul(a, b), 40)
+    p = randn(20, 6, 40).permute(1, 0, 2)  # batch not outermost in memory
+    assert_close(tg.matmul(p, b), torch.matmul(p, b), 40)
+    two_d = randn(9, 40)
+    assert_close(tg.matmul(two_d, b), torch.matmul(two_d, b), 40)
+    assert tg.matmul(randn(0, 9, 40), randn(0, 40, 20)).shape == (0, 9, 20)
+    assert torch.equal(tg.matmul(randn(3, 9, 0), randn(3, 0, 20)), torch.zeros(3, 9, 20))
 
 
 def test_matmul_non_contiguous_inputs():

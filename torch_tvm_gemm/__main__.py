@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "torch_tvm_gemm.cli.demo",
     "torch_tvm_gemm.cli.bench_overhead",
     "torch_tvm_gemm.cli.bench",
+    "torch_tvm_gemm.cli.bench_inference",
     "torch_tvm_gemm.cli.bench_conv",
     "torch_tvm_gemm.cli.compile",
     "torch_tvm_gemm.cli.ladder",

@@ -21,7 +21,7 @@ from . import _ext
 from .kernels.gemm import ACTIVATIONS, GemmSpec, torch_activation
 from .runtime.loader import sync_threads
 from .runtime.table import get_kernel, on_clear_table
-from .schedules.cpu import GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
+from .schedules.cpu import DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
 
 LIB = torch.library.Library("tvm_gemm", "DEF")  # noqa: TOR901 (ops defined here, once)
 LIB.define("matmul(Tensor a, Tensor b) -> Tensor")
@@ -257,7 +257,7 @@ def gemm(
         b_layout,
         bias is not None,
         activation,
-        gemm_variant(m, n, k),
+        gemm_variant(m, n, k, b_layout, device),
         device,
         bias_axis,
         cuda and a.dtype == torch.float32 and _use_tf32(a),
@@ -314,12 +314,37 @@ def _matmul_impl(a: Tensor, b: Tensor) -> Tensor:
     shape = check_matmul(a, b)
     if b.dim() == 2:  # (.., M, K) @ (K, N): one GEMM over all rows
         return _matmul_2d(_rows(a), b).reshape(shape)
+    if b.shape[0] == 1:  # one B for the whole batch: one GEMM over all rows of a
+        return _matmul_2d(_rows(a), b[0]).reshape(shape)
+    if not a.is_cuda:
+        return _matmul_batched(a, b, shape)
     batch, m, n = shape
     a3 = a.expand(batch, m, a.shape[-1])
-    b3 = b.expand(batch, *b.shape[-2:])
     out = torch.empty(shape, dtype=a.dtype, device=a.device)
-    for i in range(batch):  # one kernel call per batch entry: each is a full GEMM
-        _matmul_2d(a3[i], b3[i], out=out[i])
+    for i in range(batch):  # CUDA: one kernel call per batch entry, each a full GEMM
+        _matmul_2d(a3[i], b[i], out=out[i])
+    return out
+
+
+def _matmul_batched(a: Tensor, b: Tensor, shape: list[int]) -> Tensor:
+    """CPU ``(batch, M, K) @ (batch, K, N)`` (a may be broadcast) as one kernel launch, the
+    batch a parallel axis. A batch of transposed contiguous matrices (``k.transpose(1, 2)``
+    in attention) is read in place as "nk"."""
+    batch, m, n = shape
+    k = a.shape[-1]
+    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    a3 = a.expand(batch, m, k).contiguous()
+    nk = not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+    b3 = b.transpose(1, 2) if nk else b.contiguous()
+    spec = _spec(_DTYPE_NAMES[a.dtype], n, None, "nk" if nk else "kn", False, "none", "gemm",
+                 "cpu", "n", False, True)  # fmt: skip
+    kernel = get_kernel(spec)
+    sync_threads()
+    kernel(_aligned(a3), _aligned(b3), out)  # out: fresh, hence aligned
     return out
 
 
@@ -769,6 +794,7 @@ def _kernel_for_cpp(
     activation: str,
     variant: str,
     device: str,
+    batched: bool = False,
 ):
     """The C++ kernel table's miss handler: every GemmSpec field (k < 0: symbolic K).
 
@@ -777,7 +803,9 @@ def _kernel_for_cpp(
     Python path.
     """
     try:
-        return _get_kernel_for_cpp(dtype, n, k, b_layout, bias, activation, variant, device)
+        return _get_kernel_for_cpp(
+            dtype, n, k, b_layout, bias, activation, variant, device, batched
+        )
     except BaseException as err:
         _cpp_miss.error = err
         raise
@@ -799,6 +827,7 @@ def _get_kernel_for_cpp(
     activation: str,
     variant: str,
     device: str,
+    batched: bool,
 ):
     spec = GemmSpec(
         dtype=dtype,
@@ -809,6 +838,7 @@ def _get_kernel_for_cpp(
         activation=activation,
         variant=variant,
         device=device,
+        batched=batched,
     )
     return get_kernel(spec)
 
@@ -844,6 +874,7 @@ def use_impl(path: str) -> str:
         ext.register_impls(
             GEMV_MAX_M,
             GEMV_MIN_B_ELEMENTS,
+            DOT_MAX_M,
             list(ACTIVATIONS),
             [_DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
         )

@@ -49,9 +49,9 @@ def op_spec(op: str, n: int, k: int, m: int, args) -> tuple[GemmSpec, int | None
     """The kernel spec ``ops.py`` builds for this op and shape, and K when symbolic."""
     from torch_tvm_gemm.schedules.cpu import gemm_variant
 
-    variant = gemm_variant(m, n, k)
     if op == "matmul":  # ops.matmul compiles one kernel for every K
-        return GemmSpec(args.dtype, n, None, "kn", variant=variant), k
+        return GemmSpec(args.dtype, n, None, "kn", variant=gemm_variant(m, n, k)), k
+    variant = gemm_variant(m, n, k, "nk")
     spec = GemmSpec(args.dtype, n, k, "nk", args.bias, args.activation, variant=variant)
     return spec, None
 
@@ -121,8 +121,8 @@ def run(args) -> int:
     deadline = time.monotonic() + args.time
     kept = 0
     for name, spec, m, k in jobs:
-        if spec.variant == "gemv":
-            print(f"{name}: small M ({m}): the gemv kernel is memory-bound, not tuned")
+        if spec.variant in ("gemv", "dot"):
+            print(f"{name}: small M ({m}): the {spec.variant} kernel has no tuning space")
             continue
         left = deadline - time.monotonic()
         if left <= 0:

@@ -38,12 +38,17 @@ class GemmSpec:
     b_layout: str  # "kn" or "nk"
     bias: bool = False
     activation: str = "none"
-    variant: str = "gemm"  # schedule family: "gemm" (packed B, any M) or "gemv" (small M)
+    # schedule family: "gemm" (packed B, any M), "gemv" (small M), "dot" (CPU, layout "nk",
+    # M from 2 to a few dozen; see schedules/cpu.py)
+    variant: str = "gemm"
     device: str = "cpu"
     bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)
     # CUDA fp32 only: multiply on tensor cores with TF32 inputs (10-bit mantissa, fp32 sums),
     # chosen per call by torch.backends.cuda.matmul.allow_tf32 (see ops.py).
     tf32: bool = False
+    # CPU matmul of 3-D @ 3-D: A (batch, M, K), B (batch, K, N) or (batch, N, K), out (batch,
+    # M, N), the batch symbolic and a parallel axis (no bias, no activation).
+    batched: bool = False
 
     family = "gemm"
 
@@ -55,6 +60,10 @@ class GemmSpec:
             raise ValueError(f"bad GemmSpec {self}")
         if self.tf32 and (self.dtype != "float32" or self.device != "cuda"):
             raise ValueError(f"bad GemmSpec {self}: TF32 is for float32 CUDA kernels")
+        if self.batched and (
+            self.device != "cpu" or self.bias or self.activation != "none" or self.variant != "gemm"
+        ):
+            raise ValueError(f"bad GemmSpec {self}: batched kernels are plain CPU matmuls")
 
     @property
     def acc_dtype(self) -> str:
@@ -75,6 +84,8 @@ class GemmSpec:
             del key["tf32"]
         if self.bias_axis == "n":
             del key["bias_axis"]
+        if not self.batched:
+            del key["batched"]
         return key
 
     def name(self) -> str:
@@ -85,6 +96,8 @@ class GemmSpec:
         if self.bias and self.bias_axis == "m":
             epi = epi.replace("_bias", "_rowbias")
         tf32 = "_tf32" if self.tf32 else ""
+        if self.batched:
+            return f"bgemm_{self.variant}_{self.dtype}_{self.b_layout}_n{self.n}_k{k}"
         return f"gemm_{self.variant}_{self.dtype}{tf32}_{self.b_layout}_n{self.n}_k{k}{epi}"
 
 
@@ -195,3 +208,39 @@ def gemm_compute(
     )
     args = [A, B] + ([bias] if spec.bias else []) + [out]
     return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def batched_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int):
+    """The unscheduled PrimFunc ``main(A, B, out)`` of a batched ``spec``: per batch entry the
+    stages of ``gemm_compute`` ("A_pad", "B_pad", "acc", "out"), M and N padded the same way."""
+    from tvm import te, tirx
+
+    acc = spec.acc_dtype
+    batch = tirx.Var("batch", "int64")
+    M = tirx.Var("M", "int64")
+    K = tirx.const(spec.k, "int64") if spec.k is not None else tirx.Var("K", "int64")
+    N = tirx.const(spec.n, "int64")
+    Mp = (M + m_pad - 1) // m_pad * m_pad
+    Np = tirx.const((spec.n + n_pad - 1) // n_pad * n_pad, "int64")
+    A = te.placeholder((batch, M, K), spec.dtype, name="A")
+    nk = spec.b_layout == "nk"
+    B = te.placeholder((batch, N, K) if nk else (batch, K, N), spec.dtype, name="B")
+
+    def col(j):
+        return j if Np.value == N.value else te.min(j, N - 1)
+
+    a_op = te.compute(
+        (batch, Mp, K), lambda b, i, k: A[b, te.min(i, M - 1), k].astype(acc), name="A_pad"
+    )
+    if nk:
+        b_op = te.compute((batch, Np, K), lambda b, j, k: B[b, col(j), k].astype(acc), name="B_pad")
+    else:
+        b_op = te.compute((batch, K, Np), lambda b, k, j: B[b, k, col(j)].astype(acc), name="B_pad")
+    r = te.reduce_axis((0, K), name="k")
+    acc_t = te.compute(
+        (batch, Mp, Np),
+        lambda b, i, j: te.sum(a_op[b, i, r] * (b_op[b, j, r] if nk else b_op[b, r, j]), axis=r),
+        name="acc",
+    )
+    out = te.compute((batch, M, N), lambda b, i, j: acc_t[b, i, j].astype(spec.dtype), name="out")
+    return te.create_prim_func([A, B, out]).with_attr("global_symbol", "main")

@@ -10,25 +10,39 @@ accumulators in registers (measured: 0.45x torch with the predicate, 1.15x witho
 "gemv" (small M, e.g. batch-1 inference): memory-bound on B, so B is read in place, never
 packed (packing would double the traffic). Layout "nk" (a Linear weight) is a set of dot
 products vectorised along K; layout "kn" broadcasts A and streams rows of B.
+
+"dot" (layout "nk", 2 <= M <= DOT_MAX_M: a Linear at a few tokens): the weight read in place
+too, as dot products along K, register-blocked: a tile of 4 rows of A by 6 rows of the weight
+keeps 24 vector accumulators, fed per K step by 10 vector loads, and the VEC lanes of each are
+summed once at the end. At these M, packing the weight on every call costs as much as the math
+(docs/inference-shapes.md has the measurements).
 """
 
 from __future__ import annotations
 
-from ..kernels.gemm import GemmSpec, gemm_compute
+from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 5  # bump when a schedule changes the binary: it is part of the cache key
 # ops.py (and csrc/, given these two numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
 # FMA chains in flight (16x16x16: 0.66 us per kernel call against 1.7 us for the gemv).
 GEMV_MAX_M = 16
 GEMV_MIN_B_ELEMENTS = 1 << 12
+# CPU, layout "nk": from M=2 to DOT_MAX_M the "dot" variant beats both the gemv (which reads
+# the weight once per row of A) and the packed kernel (measured, 1 thread, 768x768: M=8 1.6x
+# torch against 1.0x and 0.9x; M=48 and up the packed kernel is ahead).
+DOT_MAX_M = 32
+DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 registers
 
 
-def gemm_variant(m: int, n: int, k: int) -> str:
-    """The schedule variant for an (M, N, K) product: "gemv" or "gemm"."""
-    return "gemv" if m <= GEMV_MAX_M and n * k >= GEMV_MIN_B_ELEMENTS else "gemm"
+def gemm_variant(m: int, n: int, k: int, b_layout: str = "kn", device: str = "cpu") -> str:
+    """The schedule variant for an (M, N, K) product: "gemv", "dot" or "gemm"."""
+    big_b = n * k >= GEMV_MIN_B_ELEMENTS
+    if device == "cpu" and b_layout == "nk" and big_b and 2 <= m <= DOT_MAX_M:
+        return "dot"
+    return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
 
 
 def _tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -46,7 +60,15 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
 
     cpu = cpu or host_cpu()
     mr, nr, vec = _tile(spec, cpu)
-    if spec.variant == "gemv":
+    if spec.batched:
+        sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
+        _schedule_packed_batched(sch, spec, mr, nr, vec)
+    elif spec.variant == "dot":
+        if spec.b_layout != "nk":
+            raise ValueError(f"bad GemmSpec {spec}: the dot variant reads a (N, K) weight")
+        sch = s_tir.Schedule(gemm_compute(spec, *DOT_TILE))
+        _schedule_dot_nk(sch, spec, vec)
+    elif spec.variant == "gemv":
         if spec.b_layout == "kn":
             sch = s_tir.Schedule(gemm_compute(spec, 1, nr))
             _schedule_gemv_kn(sch, spec, nr, vec)
@@ -88,7 +110,22 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     # Pack each panel right before its use, by the thread that uses it, while it is in
     # cache (measured +5-10% at M=256 over packing all of B first).
     sch.compute_at(b_pad, jo)
+    if spec.b_layout == "nk":
+        _transpose_in_tiles(sch, b_pad, vec)
     sch.decompose_reduction(acc, k)
+
+
+def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
+    """Pack a "nk" B (a Linear weight, read along K) into N-contiguous panels by VEC x VEC
+    tiles: per tile, VEC vector loads along K, unrolled over VEC rows, which LLVM turns into an
+    in-register transpose. Left as one (n, k) loop nest, the pack wrote one float per cache
+    line per step and cost four times the math at M=32 (docs/inference-shapes.md)."""
+    n, k = sch.get_loops(b_pad)[-2:]
+    k0, k1 = sch.split(k, [None, vec])
+    n0, n1 = sch.split(n, [None, vec])
+    sch.reorder(k0, n0, n1, k1)
+    sch.unroll(n1)
+    sch.vectorize(k1)
 
 
 def _schedule_gemv_kn(sch, spec: GemmSpec, nr: int, vec: int) -> None:
@@ -142,3 +179,60 @@ def _schedule_gemv_nk(sch, spec: GemmSpec, vec: int) -> None:
     if _gemv_parallel(spec, -(-spec.n // rows)):
         sch.parallel(jo)
     sch.decompose_reduction(rf, ko)
+
+
+def _schedule_dot_nk(sch, spec: GemmSpec, vec: int) -> None:
+    """MR x NR dot products along K in registers (rfactor: VEC partial sums per output)."""
+    mr, nr = DOT_TILE
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+    sch.compute_inline(sch.get_sblock("A_pad"))
+    sch.compute_inline(sch.get_sblock("B_pad"))
+    i, j, k = sch.get_loops(acc)
+    ko, ki = sch.split(k, [None, vec])
+    # The lanes last in the partial-sum buffer (factor_axis 2), so that each accumulator is
+    # one contiguous vector: with them first LLVM kept the sums in memory, gathered (0.5 GF/s).
+    rf = sch.rfactor(ki, 2)
+    i, j, ko, ki = sch.get_loops(rf)
+    io, ii = sch.split(i, [None, mr])
+    jo, ji = sch.split(j, [None, nr])
+    sch.reorder(jo, io, ko, ii, ji, ki)
+    sch.reverse_compute_at(acc, io)
+    sch.reverse_compute_at(out, io)
+    sch.set_scope(rf, 0, "local")
+    sch.unroll(ii)
+    sch.unroll(ji)
+    sch.vectorize(ki)
+    if _gemv_parallel(spec, -(-spec.n // nr)):
+        sch.parallel(jo)
+    sch.decompose_reduction(rf, ko)
+
+
+def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+    """The packed schedule per batch entry, (batch, N panel) fused into one parallel loop: one
+    launch for the whole batch, each task packing and using its own panel."""
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+    a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
+    if spec.dtype == spec.acc_dtype:
+        sch.compute_inline(a_pad)
+    else:
+        sch.parallel(sch.fuse(*sch.get_loops(a_pad)[:2]))
+    if spec.b_layout == "kn":
+        sch.transform_layout(b_pad, ("write", 0), lambda b, k, n: (b, n // nr, k, n % nr))
+    else:
+        sch.transform_layout(b_pad, ("write", 0), lambda b, n, k: (b, n // nr, k, n % nr))
+    b, i, j, k = sch.get_loops(acc)
+    io, ii = sch.split(i, [None, mr])
+    jo, ji = sch.split(j, [None, nr])
+    jio, jii = sch.split(ji, [None, vec])
+    sch.reorder(b, jo, io, k, ii, jio, jii)
+    task = sch.fuse(b, jo)
+    sch.reverse_compute_at(out, io)
+    sch.set_scope(acc, 0, "local")
+    sch.unroll(ii)
+    sch.unroll(jio)
+    sch.vectorize(jii)
+    sch.parallel(task)
+    sch.compute_at(b_pad, task)
+    if spec.b_layout == "nk":
+        _transpose_in_tiles(sch, b_pad, vec)
+    sch.decompose_reduction(acc, k)
