@@ -281,6 +281,8 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   if (name == "none") return t;
   if (name == "relu") return at::relu(t);
   if (name == "gelu") return at::gelu(t);
+  if (name == "gelu_tanh") return at::gelu(t, "tanh");
+  if (name == "silu") return at::silu(t);
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
@@ -385,11 +387,15 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   if (!linear_ok(x, weight, bias, act)) {
     raise_python_check("check_linear", x, weight, bias, std::string(activation));
   }
-  if (x.dim() == 2) return gemm(x, weight, /*b_nk=*/true, bias, act, /*static_k=*/true);
+  // Mirrors ops._linear_impl: a weight that is the transpose of a contiguous (in, out) matrix
+  // (transformers' Conv1D passes weight.t()) is read in place with the "kn" layout.
+  const bool kn = !weight.is_contiguous() && weight.t().is_contiguous();
+  const at::Tensor w = kn ? weight.t() : weight;
+  if (x.dim() == 2) return gemm(x, w, /*b_nk=*/!kn, bias, act, /*static_k=*/true);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(weight.size(0));
   const at::Tensor x2 = rows(x);
-  return gemm(x2, weight, /*b_nk=*/true, bias, act, /*static_k=*/true).reshape(shape);
+  return gemm(x2, w, /*b_nk=*/!kn, bias, act, /*static_k=*/true).reshape(shape);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -164,6 +164,8 @@ _ACT_FN: dict[str, Callable[[Tensor], Tensor]] = {
     "none": lambda t: t,
     "relu": torch.relu,
     "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
 }
 
 
@@ -332,6 +334,10 @@ def _linear_impl(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
 ) -> Tensor:
     shape = check_linear(x, weight, bias, activation)
+    # A weight that is the transpose of a contiguous (in, out) matrix (transformers' Conv1D
+    # passes weight.t()) is read in place with the "kn" layout: no copy per call.
+    if not weight.is_contiguous() and weight.t().is_contiguous():
+        return gemm(_rows(x), weight.t(), "kn", bias, activation).reshape(shape)
     return gemm(_rows(x), weight, "nk", bias, activation).reshape(shape)
 
 
@@ -385,17 +391,26 @@ def _gelu_grad(z: Tensor) -> Tensor:
     return cdf + z * pdf
 
 
+# d act(z) / dz applied to the incoming gradient, from the pre-activation z (torch's own
+# backward formulas, so the gradients match F.gelu(approximate="tanh") / F.silu exactly).
+_PRE_ACTIVATION_GRADS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "gelu": lambda grad, z: grad * _gelu_grad(z),
+    "gelu_tanh": lambda grad, z: torch.ops.aten.gelu_backward(grad, z, approximate="tanh"),
+    "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
+}
+
+
 def _linear_setup(ctx, inputs, output) -> None:
     # Trailing arguments equal to their defaults may be left out by the dispatcher.
     x, weight, bias, activation = (list(inputs) + [None, "none"][len(inputs) - 2 :])[:4]
     ctx.activation = activation
     ctx.has_bias = bias is not None
-    # relu's derivative needs only the output; gelu's needs the pre-activation, recomputed
-    # in the backward rather than kept alive between forward and backward.
+    # relu's derivative needs only the output; the others need the pre-activation,
+    # recomputed in the backward rather than kept alive between forward and backward.
     ctx.save_for_backward(
         x,
         weight,
-        bias if activation == "gelu" else None,
+        bias if activation in _PRE_ACTIVATION_GRADS else None,
         output if activation == "relu" else None,
     )
 
@@ -404,9 +419,9 @@ def _linear_backward(ctx, grad: Tensor):
     x, weight, bias, output = ctx.saved_tensors
     if ctx.activation == "relu":
         grad = grad * (output > 0)
-    elif ctx.activation == "gelu":
+    elif ctx.activation in _PRE_ACTIVATION_GRADS:
         z = torch.ops.tvm_gemm.linear(x, weight, bias, "none")
-        grad = grad * _gelu_grad(z)
+        grad = _PRE_ACTIVATION_GRADS[ctx.activation](grad, z)
     grad2 = _rows(grad)
     mm = torch.ops.tvm_gemm.matmul
     grad_x = grad_w = grad_b = None

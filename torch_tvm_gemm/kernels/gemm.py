@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-ACTIVATIONS = ("none", "relu", "gelu")
+# gelu: exact erf form (F.gelu); gelu_tanh: F.gelu(approximate="tanh"); silu: x * sigmoid(x).
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -82,6 +83,13 @@ def apply_activation(x, activation: str, dtype: str):
         return (
             half * x * (tirx.const(1, dtype) + tirx.erf(x * tirx.const(0.7071067811865476, dtype)))
         )
+    if activation == "gelu_tanh":  # F.gelu(x, approximate="tanh"), GPT-2's "gelu_new"
+        inner = tirx.const(0.7978845608028654, dtype) * (
+            x + tirx.const(0.044715, dtype) * x * x * x
+        )
+        return tirx.const(0.5, dtype) * x * (tirx.const(1, dtype) + tirx.tanh(inner))
+    if activation == "silu":  # F.silu: x * sigmoid(x)
+        return x * tirx.sigmoid(x)
     raise ValueError(f"unknown activation {activation!r}")
 
 
