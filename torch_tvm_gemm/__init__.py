@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
-from .convert import ConversionSummary, convert
+from .model_convert import ConversionSummary, convert
 from .fold import TVMConv2dBN
 from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
 from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear

@@ -160,7 +160,8 @@ def linear_kind(module: nn.Module) -> tuple[str | None, str]:
         kind = "conv1d"
     else:
         return None, ""
-    weight = module.weight
+    # Read from _parameters: under torch.fx tracing, attribute access returns proxies.
+    weight = module._parameters.get("weight", getattr(module, "weight", None))
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         return None, "its weight is not a 2-D tensor"
     if weight.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
