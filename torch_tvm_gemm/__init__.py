@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
-from .model_convert import ConversionSummary, convert
 from .fold import TVMConv2dBN
 from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
+from .model_convert import ConversionSummary, convert
 from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear
 
 __all__ = ["matmul", "linear", "TVMLinear", "TVMConv1D", "swap_linear", "unswap_linear"]
