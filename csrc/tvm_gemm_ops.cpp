@@ -415,7 +415,7 @@ class AutogradFastPath final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack) {
-    if (c10::GradMode::is_enabled() && any_requires_grad(op, *stack)) {
+    if (needs_autograd(op, *stack, c10::GradMode::is_enabled())) {
       python_autograd_.callBoxed(op, keys, stack);
       return;
     }
@@ -424,12 +424,15 @@ class AutogradFastPath final : public c10::OperatorKernel {
   }
 
  private:
-  static bool any_requires_grad(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  // A gradient is wanted (grad mode on and a tensor requires grad), or a tensor carries a
+  // forward-mode tangent (torch.autograd.forward_ad): skipping the autograd kernel would drop it.
+  static bool needs_autograd(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                             bool grad_mode) {
     const size_t num_args = op.schema().arguments().size();
     for (const c10::IValue& arg : torch::jit::last(stack, num_args)) {
-      if (arg.isTensor() && arg.toTensor().defined() && arg.toTensor().requires_grad()) {
-        return true;
-      }
+      if (!arg.isTensor() || !arg.toTensor().defined()) continue;
+      const at::Tensor& t = arg.toTensor();
+      if ((grad_mode && t.requires_grad()) || t._fw_grad(0).defined()) return true;
     }
     return false;
   }

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import autocast as _autocast  # noqa: F401 (their torch.autocast behaviour)
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
 from .fold import TVMConv2dBN
 from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu

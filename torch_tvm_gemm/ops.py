@@ -18,6 +18,7 @@ import tvm_ffi
 from torch import Tensor
 
 from . import _ext
+from .func_autograd import register_function_autograd
 from .kernels.gemm import ACTIVATIONS, GemmSpec
 from .runtime import get_kernel, on_clear_table, sync_threads
 from .schedules.cpu import GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, gemm_variant
@@ -381,7 +382,26 @@ def _matmul_backward(ctx, grad: Tensor):
     return grad_a, grad_b
 
 
-torch.library.register_autograd("tvm_gemm::matmul", _matmul_backward, setup_context=_matmul_setup)
+def _matmul_jvp(ctx, inputs, output, tangent_a, tangent_b):
+    """Forward-mode: d(a @ b) = da @ b + a @ db."""
+    a, b = inputs
+    mm = torch.ops.tvm_gemm.matmul
+    parts = []
+    if tangent_a is not None:
+        parts.append(mm(tangent_a, b))
+    if tangent_b is not None:
+        parts.append(mm(a, tangent_b))
+    return _sum_tangents(parts, output)
+
+
+def _sum_tangents(parts: list[Tensor], output: Tensor) -> Tensor:
+    total = torch.zeros_like(output) if not parts else parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.expand_as(output) if total.shape != output.shape else total
+
+
+register_function_autograd("matmul", _matmul_backward, _matmul_setup, _matmul_jvp)
 
 
 def _gelu_grad(z: Tensor) -> Tensor:
@@ -434,7 +454,26 @@ def _linear_backward(ctx, grad: Tensor):
     return grad_x, grad_w, grad_b, None
 
 
-torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_context=_linear_setup)
+def _linear_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, _):
+    """Forward-mode: dz = dx @ W^T + x @ dW^T + db, then through the activation."""
+    x, weight, bias, activation = (list(inputs) + [None, "none"][len(inputs) - 2 :])[:4]
+    lin = torch.ops.tvm_gemm.linear
+    parts = []
+    if tangent_x is not None:
+        parts.append(lin(tangent_x, weight, None, "none"))
+    if tangent_w is not None:
+        parts.append(lin(x, tangent_w, None, "none"))
+    if tangent_b is not None:
+        parts.append(tangent_b.expand_as(output))
+    dz = _sum_tangents(parts, output)
+    if activation == "relu":
+        return dz * (output > 0)
+    if activation in _PRE_ACTIVATION_GRADS:
+        return _PRE_ACTIVATION_GRADS[activation](dz, lin(x, weight, bias, "none"))
+    return dz
+
+
+register_function_autograd("linear", _linear_backward, _linear_setup, _linear_jvp)
 
 
 # --- conv2d + bias + relu -------------------------------------------------------------------
@@ -766,9 +805,24 @@ def _conv2d_backward(ctx, grad: Tensor):
     return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "tvm_gemm::conv2d_bias_relu", _conv2d_backward, setup_context=_conv2d_setup
-)
+def _conv2d_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, *_):
+    """Forward-mode: conv(dx, W) + conv(x, dW) + db, masked by the ReLU."""
+    x, weight = inputs[0], inputs[1]
+    stride, padding, dilation, groups = ctx.geometry
+    conv = torch.nn.functional.conv2d
+    parts = []
+    if tangent_x is not None:
+        parts.append(conv(tangent_x, weight, None, stride, padding, dilation, groups))
+    if tangent_w is not None:
+        parts.append(conv(x, tangent_w, None, stride, padding, dilation, groups))
+    if tangent_b is not None:
+        parts.append(tangent_b.view(1, -1, 1, 1).expand_as(output))
+    dz = _sum_tangents(parts, output)
+    relu = (list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :])[7]
+    return dz * (output > 0) if relu else dz
+
+
+register_function_autograd("conv2d_bias_relu", _conv2d_backward, _conv2d_setup, _conv2d_jvp)
 
 
 # --- which impls serve real tensors: C++ (csrc/, the fast path) or the Python ones above ----
