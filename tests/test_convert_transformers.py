@@ -4,6 +4,7 @@ Linear / Conv1D / Conv2d accounted for, outputs and gradients as eager."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -150,3 +151,15 @@ def test_bert_bf16_forward():
         exact = copy.deepcopy(reference).float()(**inputs)[0]
     # bf16 on TVM is as far from fp32 as torch's own bf16 is.
     assert (got - exact).abs().max() <= 2 * (expected - exact).abs().max() + 1e-2
+
+
+def test_bench_models_cli_runs(tmp_path):
+    """The model benchmark's command line works (a smoke test: one small model, one call)."""
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path / "models.json"
+    argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
+    assert main([*argv, "--reps", "1", "--rounds", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["converted_layers"] == row["found_layers"] == 7
+    assert row["max_rel_err"] < 1e-4

@@ -30,6 +30,11 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch and TVM threads")
     p.add_argument("--reps", type=int, default=3, help="calls per timing round")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds (best is kept)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(original) and torch.compile(converted)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.set_defaults(func=run)
 
@@ -98,7 +103,7 @@ def run(args) -> int:
         f"{'layers':>9} {'max err':>8} {'1st call s':>10}"
     )
     print(f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster)")
-    print(header)
+    print(header + (f" {'cmp(eager)':>10} {'cmp(conv)':>10}" if args.compile else ""))
     for name in args.models:
         for dtype_name in args.dtype:
             dtype = getattr(torch, dtype_name)
@@ -127,6 +132,14 @@ def run(args) -> int:
                         args.reps,
                         args.rounds,
                     )
+                    if args.compile:
+                        c_conv, c_eager = torch.compile(converted), torch.compile(eager)
+                        t_c_conv, t_c_eager = compare(
+                            lambda i=inputs, m=c_conv: m(**i),
+                            lambda i=inputs, m=c_eager: m(**i),
+                            args.reps,
+                            args.rounds,
+                        )
                 row = {
                     "model": name,
                     "dtype": dtype_name,
@@ -141,11 +154,16 @@ def run(args) -> int:
                     "first_call_s": call_s,
                     "convert_s": convert_s,
                 }
+                compiled = ""
+                if args.compile:
+                    row |= {"compiled_eager_s": t_c_eager, "compiled_converted_s": t_c_conv}
+                    compiled = f" {t_c_eager * 1e3:10.2f} {t_c_conv * 1e3:10.2f}"
                 rows.append(row)
                 print(
                     f"{name:<10} {dtype_name:<9} {batch:>5} {t_eager * 1e3:9.2f} "
                     f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} "
                     f"{f'{summary.converted()}/{summary.found()}':>9} {err:8.1e} {call_s:10.2f}"
+                    + compiled
                 )
     ratios = [r["ratio"] for r in rows]
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
