@@ -75,6 +75,19 @@ def test_untraceable_top_level_converts_its_children(caplog):
     assert_close(model(x), expected, k=200)
     assert_close(model(x, 2.0), DataDependent.forward(model, x, 2.0), k=200)  # kwargs work
     assert model.state_dict().keys() == keys  # BN stays in the model: same keys
+    clone = copy.deepcopy(model)
+    assert clone.block.conv.weight is not model.block.conv.weight
+    assert_close(clone(x), expected, k=200)
+
+
+def test_converted_model_pickles(tmp_path):
+    model = tg.convert(DataDependent().eval())
+    x = randn(2, 3, 10, 9)
+    expected = model(x)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded.conversion_summary.regions == ["block", "head"]
+    assert_close(loaded(x), expected, k=200)
 
 
 def test_state_dict_round_trip_and_refold():

@@ -161,9 +161,19 @@ class _Traced:
         return self.gm(*bound.arguments.values())  # positional: fx renames specialised args
 
 
-def _guarded_forward(self, *args, **kwargs):
-    """The forward of a converted region: its fused graph when the trace covers the call."""
-    return self.__dict__["_tvm_traced"].run(self, args, kwargs)
+class _RegionForward:
+    """The ``forward`` set on a converted region: its fused graph when the trace covers the
+    call. An object rather than a bound function so that the model pickles and deep-copies."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        return module.__dict__["_tvm_traced"].run(module, args, kwargs)
+
+    def __reduce__(self):
+        return (_RegionForward, (self.module,))
 
 
 def _trace(module: nn.Module) -> tuple[fx.GraphModule, inspect.Signature, dict, int]:
@@ -304,7 +314,7 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
         records[prefix + target] = what
     if fused:
         module.__dict__["_tvm_traced"] = _Traced(gm, signature, concrete, n_tensors)
-        module.forward = types.MethodType(_guarded_forward, module)
+        module.forward = _RegionForward(module)
         summary.regions.append(fqn or "<top>")
 
 
