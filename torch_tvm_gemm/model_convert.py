@@ -389,6 +389,8 @@ def convert(
     )
     for fqn, kind in summary.kinds.items():
         what = records.get(fqn)
+        if what is None and isinstance(model.get_submodule(fqn), (TVMLinear, TVMConv1D)):
+            what = "swapped (already a TVM module)"
         if what is None:
             what = _why_untouched(fqn, kind, summary)
         summary.layers[fqn] = what
