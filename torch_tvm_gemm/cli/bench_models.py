@@ -36,6 +36,7 @@ def register(sub) -> None:
         help="also time torch.compile(original) and torch.compile(converted)",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a bar chart of the ratios (matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -168,9 +169,32 @@ def run(args) -> int:
     ratios = [r["ratio"] for r in rows]
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
     print(f"geometric mean ratio {geomean:.2f}, min {min(ratios, default=float('nan')):.2f}")
+    if args.png:
+        plot(rows, args.png, torch.get_num_threads())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {"threads": torch.get_num_threads(), "rows": rows, "geomean": geomean}, f, indent=1
             )
     return 0
+
+
+def plot(rows: list[dict], path: str, threads: int) -> None:
+    """One bar per (model, dtype, batch): eager time / converted time, 1.0 as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    labels = [f"{r['model']}\n{short[r['dtype']]} b{r['batch']}" for r in rows]
+    ratios = [r["ratio"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
+    ax.bar(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("eager / converted (above 1: faster)")
+    ax.set_title(f"convert() end to end, {threads} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
