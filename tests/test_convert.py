@@ -290,3 +290,22 @@ def test_inplace_false_leaves_the_model_alone():
     converted = tg.convert(model, inplace=False)
     assert converted is not model and type(model.head[0]) is nn.Linear
     assert not hasattr(model, "conversion_summary")
+
+
+@pytest.mark.parametrize("rows", [1, 6])  # 1: the small-M (gemv) kernel
+def test_tvm_conv1d_reads_the_transposed_weight_in_place(rows):
+    layer = tg.TVMConv1D(nf=64, nx=128, activation="gelu_tanh")
+    with torch.no_grad():
+        layer.bias.uniform_(-1, 1)
+    assert list(layer.state_dict()) == ["weight", "bias"] and layer.weight.shape == (128, 64)
+    x = randn(rows, 2, 128).requires_grad_()
+    out = layer(x)
+    ref_x = x.detach().requires_grad_()
+    flat = torch.addmm(layer.bias, ref_x.view(-1, 128), layer.weight).view(rows, 2, 64)
+    expected = F.gelu(flat, approximate="tanh")
+    assert_close(out, expected, k=128)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, layer.weight), grad)
+    want = torch.autograd.grad(expected, (ref_x, layer.weight), grad)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, k=128)
