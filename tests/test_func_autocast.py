@@ -99,6 +99,21 @@ def test_vmap_matches_torch(impl):
     assert_close(per_sample, want, k=16)
 
 
+def test_vmap_rules_fold_or_loop_like_torch(impl):
+    x, ws, b = randn(3, 16), randn(4, 6, 16), randn(6)
+    got = torch.func.vmap(lambda w: tg.linear(x, w, b, "relu"))(ws)  # batched weight: per sample
+    assert_close(got, F.relu(torch.einsum("mk,bnk->bmn", x, ws) + b), k=16)
+    a3, a4, m = randn(2, 5, 7), randn(3, 2, 5, 7), randn(7, 4)
+    assert_close(torch.func.vmap(lambda a: tg.matmul(a, m))(a3), a3 @ m, k=7)  # folded
+    assert_close(
+        torch.func.vmap(lambda a: tg.matmul(a, m), in_dims=1)(a4), (a4 @ m).movedim(1, 0), k=7
+    )
+    images, w = randn(2, 3, 3, 6, 6), randn(4, 3, 3, 3)
+    got = torch.func.vmap(lambda t: tg.conv2d_bias_relu(t, w, b[:4], padding=1))(images)
+    want = F.relu(F.conv2d(images.flatten(0, 1), w, b[:4], padding=1)).unflatten(0, (2, 3))
+    assert_close(got, want, k=27)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_autocast_casts_like_torch(impl, dtype):
     x, w, b = args()

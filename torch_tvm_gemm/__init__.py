@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import autocast as _autocast  # noqa: F401 (their torch.autocast behaviour)
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
+from . import vmap_rules as _vmap_rules  # noqa: F401 (torch.vmap over the ops)
 from .fold import TVMConv2dBN
 from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
 from .model_convert import ConversionSummary, convert
