@@ -95,7 +95,16 @@ setup(
     ],
     extras_require={
         # cuobjdump / nvdisasm read the SASS of the cross-compiled CUDA kernels in the tests.
-        "test": ["pytest", "hypothesis", "ruff", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],
+        # transformers: the model tests and bench-models (configs with random weights only).
+        "test": [
+            "pytest",
+            "hypothesis",
+            "ruff",
+            "nvidia-cuda-cuobjdump",
+            "nvidia-cuda-nvdisasm",
+            "transformers>=4.40",
+        ],
+        "models": ["transformers>=4.40"],
         # MetaSchedule (tune, ladder): its cost model needs xgboost; the CPU build avoids
         # the 470 MB NCCL library that the plain xgboost wheel pulls in.
         "tune": ["psutil", "xgboost-cpu", "cloudpickle", "tornado"],

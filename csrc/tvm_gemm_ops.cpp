@@ -294,6 +294,8 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   if (name == "none") return t;
   if (name == "relu") return at::relu(t);
   if (name == "gelu") return at::gelu(t);
+  if (name == "gelu_tanh") return at::gelu(t, "tanh");
+  if (name == "silu") return at::silu(t);
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
@@ -422,11 +424,15 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   if (!linear_ok(x, weight, bias, act)) {
     raise_python_check("check_linear", x, weight, bias, std::string(activation));
   }
-  if (x.dim() == 2) return gemm(x, weight, /*b_nk=*/true, bias, act, /*static_k=*/true);
+  // Mirrors ops._linear_impl: a weight that is the transpose of a contiguous (in, out) matrix
+  // (transformers' Conv1D passes weight.t()) is read in place with the "kn" layout.
+  const bool kn = !weight.is_contiguous() && weight.t().is_contiguous();
+  const at::Tensor w = kn ? weight.t() : weight;
+  if (x.dim() == 2) return gemm(x, w, /*b_nk=*/!kn, bias, act, /*static_k=*/true);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(weight.size(0));
   const at::Tensor x2 = rows(x);
-  return gemm(x2, weight, /*b_nk=*/true, bias, act, /*static_k=*/true).reshape(shape);
+  return gemm(x2, w, /*b_nk=*/!kn, bias, act, /*static_k=*/true).reshape(shape);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -446,7 +452,7 @@ class AutogradFastPath final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack) {
-    if (c10::GradMode::is_enabled() && any_requires_grad(op, *stack)) {
+    if (needs_autograd(op, *stack, c10::GradMode::is_enabled())) {
       python_autograd_.callBoxed(op, keys, stack);
       return;
     }
@@ -455,12 +461,15 @@ class AutogradFastPath final : public c10::OperatorKernel {
   }
 
  private:
-  static bool any_requires_grad(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  // A gradient is wanted (grad mode on and a tensor requires grad), or a tensor carries a
+  // forward-mode tangent (torch.autograd.forward_ad): skipping the autograd kernel would drop it.
+  static bool needs_autograd(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                             bool grad_mode) {
     const size_t num_args = op.schema().arguments().size();
     for (const c10::IValue& arg : torch::jit::last(stack, num_args)) {
-      if (arg.isTensor() && arg.toTensor().defined() && arg.toTensor().requires_grad()) {
-        return true;
-      }
+      if (!arg.isTensor() || !arg.toTensor().defined()) continue;
+      const at::Tensor& t = arg.toTensor();
+      if ((grad_mode && t.requires_grad()) || t._fw_grad(0).defined()) return true;
     }
     return false;
   }

@@ -175,8 +175,9 @@ class BasicBlock(nn.Module):
 
 def test_resnet_block():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), BasicBlock(8))
-    # conv-relu and conv1-bn1-relu fuse; conv2-bn2-add-relu (a residual) is left alone.
-    check(model, randn(2, 3, 10, 9), fused=2)
+    # conv-relu and conv1-bn1-relu fuse; conv2-bn2 folds, its add + relu (a residual) stay.
+    _, summary = check(model, randn(2, 3, 10, 9), fused=3)
+    assert summary.fused[-1].endswith("(folded)")
 
 
 def test_summary_is_logged(caplog):
@@ -212,12 +213,14 @@ def test_convert_fuses_convs_and_swaps_linears():
     ).eval()
     x = randn(2, 3, 10, 9)
     expected = model(x)
-    converted = tg.convert(model)
-    kinds = [type(m).__name__ for m in converted.modules()]
-    assert kinds.count("TVMConv2dBiasReLU") == 1 and kinds.count("TVMLinear") == 2
-    assert len(converted.fusion_summary.fused) == 2  # conv+relu, linear+relu
+    converted = tg.convert(model, inplace=False)
+    layers = converted.conversion_summary.layers
+    assert layers["0"].startswith("fused") and layers["4"].startswith("fused")  # +relu each
+    assert layers["6"] == "swapped"
+    assert [type(m).__name__ for m in converted.modules()].count("TVMLinear") == 2
     assert_close(converted(x), expected, k=200)
-    assert type(model[4]) is nn.Linear  # the original model is untouched
+    assert type(model[4]) is nn.Linear  # inplace=False: the original model is untouched
+    assert tg.convert(model) is model  # in place: the user's model object
 
 
 def test_example_runs():

@@ -5,7 +5,7 @@
     y = torch_tvm_gemm.linear(x, w, b, "relu")       # relu(x @ w.T + b), one fused kernel
     model = torch_tvm_gemm.swap_linear(model)        # nn.Linear -> TVMLinear, in place
     y = torch_tvm_gemm.conv2d_bias_relu(x, w, b, stride=1, padding=1)  # relu(conv2d + b)
-    model = torch_tvm_gemm.convert(model)            # FX: conv+bias+relu fusion + linears
+    model = torch_tvm_gemm.convert(model)            # any model, in place: fusions + linears
 
 Kernels are compiled on first use for this machine and cached on disk
 (``TVM_GEMM_CACHE_DIR``, default ``~/.cache/torch_tvm_gemm``); a warm cache needs only the
@@ -17,18 +17,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import autocast as _autocast  # noqa: F401 (their torch.autocast behaviour)
 from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
-from .fusion import FusionSummary, TVMConv2dBiasReLU, convert, fuse_conv_bias_relu
-from .nn import TVMLinear, swap_linear, unswap_linear
+from . import vmap_rules as _vmap_rules  # noqa: F401 (torch.vmap over the ops)
+from .fold import TVMConv2dBN
+from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
+from .model_convert import ConversionSummary, convert
+from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear
 from .runtime.build_worker import KernelBuildError
 from .runtime.precompile import precompile_specs
 
-__all__ = ["matmul", "linear", "TVMLinear", "swap_linear", "unswap_linear"]
+__all__ = ["matmul", "linear", "TVMLinear", "TVMConv1D", "swap_linear", "unswap_linear"]
 __all__ += [
     "conv2d_bias_relu",
     "TVMConv2dBiasReLU",
     "fuse_conv_bias_relu",
+    "TVMConv2dBN",
     "convert",
+    "ConversionSummary",
     "FusionSummary",
     "KernelBuildError",
     "precompile_specs",

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "torch_tvm_gemm.cli.bench",
     "torch_tvm_gemm.cli.bench_inference",
     "torch_tvm_gemm.cli.bench_conv",
+    "torch_tvm_gemm.cli.bench_models",
     "torch_tvm_gemm.cli.compile",
     "torch_tvm_gemm.cli.ladder",
     "torch_tvm_gemm.cli.tune",

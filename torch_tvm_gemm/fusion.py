@@ -11,8 +11,11 @@ three patterns into the fused op, leaving everything else alone:
    per-channel bias of shape ``(1, C, 1, 1)`` or ``(C, 1, 1)`` (a parameter or buffer,
    reshaped / viewed / unsqueezed / indexed) -> ReLU;
 3. ``Conv2d`` -> ``BatchNorm2d`` (eval mode, running stats) -> ReLU, by folding the BN into
-   a copy of the conv's weight and bias first.
+   a copy of the conv's weight and bias first; with no ReLU after the BN, the folded conv
+   runs without one.
 
+``nn.Identity`` and eval-mode / ``p=0`` ``nn.Dropout`` modules between the pieces are
+no-ops and do not block a match (timm's ``conv -> bn -> drop_block (Identity) -> act``).
 A match is fused only if every intermediate value has exactly one user (the next node of
 the pattern): a conv output that is also used elsewhere must stay un-activated.
 """
@@ -21,15 +24,12 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
-
-from .nn import TVMLinear, swap_linear
 
 log = logging.getLogger("torch_tvm_gemm")
 
@@ -143,8 +143,10 @@ _VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, operator.getitem}
 class _Graph:
     """The traced model with the queries the matchers need."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, fold=None) -> None:
         self.gm = gm
+        # How a conv -> BN pair becomes one module: _fold_bn (a snapshot) by default.
+        self.fold = fold or _fold_bn
         self.modules = dict(gm.named_modules())
         self.calls: dict[str, int] = {}
         self.erased: set[fx.Node] = set()
@@ -175,6 +177,25 @@ class _Graph:
 
 def _sole_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_transparent(g: _Graph, node: fx.Node) -> bool:
+    """A module call that returns its input: nn.Identity, nn.Dropout in eval mode or p=0."""
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return False
+    mod = g.modules.get(node.target)
+    if type(mod) is nn.Identity:
+        return True
+    return type(mod) is nn.Dropout and (not mod.training or mod.p == 0)
+
+
+def _next(g: _Graph, node: fx.Node, passed: list[fx.Node]) -> fx.Node | None:
+    """``node``'s sole user, looking through transparent modules (appended to ``passed``)."""
+    user = _sole_user(node)
+    while user is not None and _is_transparent(g, user):
+        passed.append(user)
+        user = _sole_user(user)
+    return user
 
 
 @dataclass
@@ -277,7 +298,7 @@ def _out_channels(g: _Graph, conv: _Conv) -> int | None:
     return g.attr(w.target).shape[0] if w is not None and w.op == "get_attr" else None
 
 
-def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> TVMConv2dBiasReLU:
+def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool = True) -> TVMConv2dBiasReLU:
     """A fused module whose weight and bias have the eval-mode BN folded in (in float64)."""
     with torch.no_grad():
         var, mean = bn.running_var.double(), bn.running_mean.double()
@@ -288,7 +309,7 @@ def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> TVMConv2dBiasReLU:
         dtype = conv.weight.dtype
         weight = (conv.weight.double() * scale.view(-1, 1, 1, 1)).to(dtype)
         bias = ((bias - mean) * scale + beta).to(dtype)
-    fused = TVMConv2dBiasReLU.from_conv(conv, relu=True)
+    fused = TVMConv2dBiasReLU.from_conv(conv, relu=relu)
     fused.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
     fused.bias = nn.Parameter(bias, requires_grad=conv.weight.requires_grad)
     return fused
@@ -313,33 +334,40 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
 
     Raises ``_Skip`` with the reason when a pattern is there but must not be fused.
     """
-    user = _sole_user(conv.node)
+    passed: list[fx.Node] = []  # transparent modules between the pieces
+    user = _next(g, conv.node, passed)
     if user is None:
-        if any(g.is_relu(u) for u in conv.node.users):
-            raise _Skip(f"{conv.node.name}: conv output has {len(conv.node.users)} users")
+        last = passed[-1] if passed else conv.node
+        if any(g.is_relu(u) or g.module(u, nn.BatchNorm2d) for u in last.users):
+            raise _Skip(f"{conv.node.name}: conv output has {len(last.users)} users")
         return None
     # 1. conv -> relu
     if g.is_relu(user):
-        return _fuse_with_bias(g, conv, user, [user, conv.node], None, "relu")
-    # 3. conv -> batchnorm -> relu
+        return _fuse_with_bias(g, conv, user, [user, *reversed(passed), conv.node], None, "relu")
+    # 3. conv -> batchnorm [-> relu]
     bn = g.module(user, nn.BatchNorm2d)
     if bn is not None:
-        relu = _sole_user(user)
-        if relu is None or not g.is_relu(relu):
-            return None
         if conv.module is None or bn.training or bn.running_mean is None:
             raise _Skip(f"{conv.node.name}: BN {user.name} in training mode or without stats")
         if g.calls[conv.node.target] != 1 or g.calls[user.target] != 1:
             raise _Skip(f"{conv.node.name}: conv or BN module called more than once")
-        _swap_module(g, conv.node.target, _fold_bn(conv.module, bn))
-        _replace(g, relu, conv.node, [relu, user])
+        after: list[fx.Node] = []
+        relu = _next(g, user, after)
+        if relu is None or not g.is_relu(relu):
+            # No ReLU: the folded conv runs without one; what follows stays as it was.
+            act = "" if relu is None else _activation_note(g, relu)
+            _swap_module(g, conv.node.target, g.fold(conv.module, bn, False))
+            _replace(g, user, conv.node, [user])
+            return f"{conv.node.name} -> {user.name} (folded){act}"
+        _swap_module(g, conv.node.target, g.fold(conv.module, bn, True))
+        _replace(g, relu, conv.node, [relu, *reversed(after), user, *reversed(passed)])
         return f"{conv.node.name} -> {user.name} (folded) -> {relu.name}"
     # 2. conv(bias=None) -> add(bias view) -> relu
     if user.op in ("call_function", "call_method") and (
         user.target in _ADD_FUNCTIONS or user.target in ("add", "add_")
     ):
         relu = _sole_user(user)
-        if relu is None or not g.is_relu(relu) or conv.has_bias or user.kwargs:
+        if relu is None or not g.is_relu(relu) or conv.has_bias or user.kwargs or passed:
             return None
         if len(user.args) != 2:
             return None
@@ -353,6 +381,20 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
             flat = g.gm.graph.call_method("reshape", (other, (-1,)))
         return _fuse_with_bias(g, conv, relu, [relu, user, conv.node], flat, "add+relu")
     return None
+
+
+def _activation_note(g: _Graph, node: fx.Node) -> str:
+    """Says that an activation after a folded conv stays a separate op (the conv op fuses
+    ReLU only)."""
+    if node.op == "call_module":
+        name = type(g.modules.get(node.target)).__name__
+    elif node.op in ("call_function", "call_method"):
+        name = getattr(node.target, "__name__", str(node.target))
+    else:
+        return ""
+    if name.lower() in ("add", "add_", "iadd", "cat", "mul", "getitem"):
+        return ""
+    return f"; {name} after it is not fused (the conv op fuses ReLU only)"
 
 
 class _Skip(Exception):
@@ -391,27 +433,7 @@ def fuse_conv_bias_relu(model: nn.Module) -> FusionResult:
     a model in eval mode, for inference.
     """
     gm = _trace(model, "fuse_conv_bias_relu")
-    g = _Graph(gm)
-    summary = FusionSummary()
-    for node in list(gm.graph.nodes):
-        if node in g.erased:  # part of an earlier fusion
-            continue
-        conv = _match_conv(g, node)
-        if conv is None:
-            continue
-        if isinstance(conv, str):
-            summary.skipped.append(conv)
-            continue
-        try:
-            line = _try_fuse(g, conv)
-        except _Skip as skip:
-            summary.skipped.append(str(skip))
-            continue
-        if line is not None:
-            summary.fused.append(line)
-    gm.graph.eliminate_dead_code()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+    summary = fuse_convs_in_graph(gm)
     log.info(
         "fuse_conv_bias_relu: fused %d conv2d+bias+relu, skipped %d%s",
         len(summary.fused),
@@ -419,6 +441,48 @@ def fuse_conv_bias_relu(model: nn.Module) -> FusionResult:
         "".join(f"; {s}" for s in summary.skipped),
     )
     return FusionResult(gm, summary)
+
+
+def fuse_convs_in_graph(
+    gm: fx.GraphModule, fold=None, records: dict[str, str] | None = None
+) -> FusionSummary:
+    """The conv fusions of ``fuse_conv_bias_relu`` on a traced ``gm`` (rewritten in place).
+
+    ``fold(conv, bn, relu)`` makes the module for a conv -> BN pair (default: a snapshot,
+    ``_fold_bn``). ``records`` gets, for each Conv2d module the graph calls, what happened.
+    """
+    g = _Graph(gm, fold)
+    summary = FusionSummary()
+    records = {} if records is None else records
+    for node in list(gm.graph.nodes):
+        if node in g.erased:  # part of an earlier fusion
+            continue
+        conv = _match_conv(g, node)
+        if conv is None:
+            continue
+        target = node.target if node.op == "call_module" else None
+        if isinstance(conv, str):
+            summary.skipped.append(conv)
+            if target is not None:
+                records[target] = f"left alone: {conv.split(': ', 1)[-1]}"
+            continue
+        try:
+            line = _try_fuse(g, conv)
+        except _Skip as skip:
+            summary.skipped.append(str(skip))
+            if target is not None:
+                records[target] = f"left alone: {str(skip).split(': ', 1)[-1]}"
+            continue
+        if line is not None:
+            summary.fused.append(line)
+            if target is not None:
+                records[target] = f"fused: {line}"
+        elif target is not None:
+            records[target] = "left alone: no BN or ReLU follows it (a plain conv stays on torch)"
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return summary
 
 
 def _trace(model: nn.Module, caller: str) -> fx.GraphModule:
@@ -430,47 +494,3 @@ def _trace(model: nn.Module, caller: str) -> fx.GraphModule:
             f"{type(model).__name__} ({type(err).__name__}: {err}); swap modules by hand "
             "with TVMConv2dBiasReLU.from_conv / swap_linear instead"
         ) from err
-
-
-def _fuse_linear_activations(gm: fx.GraphModule) -> list[str]:
-    """Graph-level Linear -> ReLU / GELU fusion into TVMLinear (single-use outputs only)."""
-    g = _Graph(gm)
-    fused = []
-    for node in list(gm.graph.nodes):
-        lin = g.module(node, nn.Linear) if node not in g.erased else None
-        user = _sole_user(node) if lin is not None else None
-        if user is None or g.calls[node.target] != 1 or len(node.args) != 1:
-            continue
-        act = "relu" if g.is_relu(user) else _gelu(g, user)
-        if act is None:
-            continue
-        _swap_module(g, node.target, TVMLinear.from_linear(lin, act))
-        _replace(g, user, node, [user])
-        fused.append(f"{node.name} -> {user.name}")
-    gm.recompile()
-    return fused
-
-
-def _gelu(g: _Graph, node: fx.Node) -> str | None:
-    gelu = g.module(node, nn.GELU)
-    if gelu is not None:
-        return "gelu" if gelu.approximate == "none" else None
-    exact = node.kwargs.get("approximate", "none") == "none" and len(node.args) == 1
-    return "gelu" if node.op == "call_function" and node.target is F.gelu and exact else None
-
-
-def convert(
-    model: nn.Module, linear_filter: Callable[[nn.Module, str], bool] | None = None
-) -> fx.GraphModule:
-    """One call for a whole model: conv2d+bias+ReLU fusion, then Linear (+ReLU/GELU) to TVM.
-
-    Returns a new GraphModule (``model`` is not modified); the fusion summary is logged and
-    kept as ``result.fusion_summary``.
-    """
-    gm, summary = fuse_conv_bias_relu(model)
-    summary.fused += [f"linear: {line}" for line in _fuse_linear_activations(gm)]
-    # The rest of the Linears, unfused. gm's container modules are its own (symbolic_trace
-    # copies the module path), so this does not touch ``model``.
-    swap_linear(gm, linear_filter, activation_fusion=False)
-    gm.fusion_summary = summary
-    return gm

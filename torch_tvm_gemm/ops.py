@@ -18,6 +18,7 @@ import tvm_ffi
 from torch import Tensor
 
 from . import _ext
+from .func_autograd import register_function_autograd
 from .kernels.gemm import ACTIVATIONS, GemmSpec, torch_activation
 from .runtime.loader import sync_threads
 from .runtime.table import get_kernel, on_clear_table
@@ -352,6 +353,10 @@ def _linear_impl(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
 ) -> Tensor:
     shape = check_linear(x, weight, bias, activation)
+    # A weight that is the transpose of a contiguous (in, out) matrix (transformers' Conv1D
+    # passes weight.t()) is read in place with the "kn" layout: no copy per call.
+    if not weight.is_contiguous() and weight.t().is_contiguous():
+        return gemm(_rows(x), weight.t(), "kn", bias, activation).reshape(shape)
     return gemm(_rows(x), weight, "nk", bias, activation).reshape(shape)
 
 
@@ -395,7 +400,26 @@ def _matmul_backward(ctx, grad: Tensor):
     return grad_a, grad_b
 
 
-torch.library.register_autograd("tvm_gemm::matmul", _matmul_backward, setup_context=_matmul_setup)
+def _matmul_jvp(ctx, inputs, output, tangent_a, tangent_b):
+    """Forward-mode: d(a @ b) = da @ b + a @ db."""
+    a, b = inputs
+    mm = torch.ops.tvm_gemm.matmul
+    parts = []
+    if tangent_a is not None:
+        parts.append(mm(tangent_a, b))
+    if tangent_b is not None:
+        parts.append(mm(a, tangent_b))
+    return _sum_tangents(parts, output)
+
+
+def _sum_tangents(parts: list[Tensor], output: Tensor) -> Tensor:
+    total = torch.zeros_like(output) if not parts else parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.expand_as(output) if total.shape != output.shape else total
+
+
+register_function_autograd("matmul", _matmul_backward, _matmul_setup, _matmul_jvp)
 
 
 def _gelu_grad(z: Tensor) -> Tensor:
@@ -403,6 +427,15 @@ def _gelu_grad(z: Tensor) -> Tensor:
     cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
     pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
     return cdf + z * pdf
+
+
+# d act(z) / dz applied to the incoming gradient, from the pre-activation z (torch's own
+# backward formulas, so the gradients match F.gelu(approximate="tanh") / F.silu exactly).
+_PRE_ACTIVATION_GRADS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "gelu": lambda grad, z: grad * _gelu_grad(z),
+    "gelu_tanh": lambda grad, z: torch.ops.aten.gelu_backward(grad, z, approximate="tanh"),
+    "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
+}
 
 
 def _linear_setup(ctx, inputs, output) -> None:
@@ -414,9 +447,9 @@ def _linear_setup(ctx, inputs, output) -> None:
     need_x, need_w = ctx.needs_input_grad[:2]
     # Only what the backward needs is kept (an inference tensor cannot be saved at all, and
     # torch accepts one where it is not needed). relu's derivative needs only the output;
-    # gelu's needs the pre-activation, recomputed in the backward from x, weight and bias
+    # the others need the pre-activation, recomputed in the backward from x, weight and bias
     # rather than kept alive between forward and backward.
-    if activation == "gelu":
+    if activation in _PRE_ACTIVATION_GRADS:
         ctx.save_for_backward(_saveable(x), _saveable(weight), _saveable(bias), None)
     else:
         ctx.save_for_backward(
@@ -437,9 +470,9 @@ def _linear_backward(ctx, grad: Tensor):
     x, weight, bias, output = ctx.saved_tensors
     if ctx.activation == "relu":
         grad = grad * (output > 0)
-    elif ctx.activation == "gelu":
+    elif ctx.activation in _PRE_ACTIVATION_GRADS:
         z = torch.ops.tvm_gemm.linear(x, weight, bias, "none")
-        grad = grad * _gelu_grad(z)
+        grad = _PRE_ACTIVATION_GRADS[ctx.activation](grad, z)
     grad2 = _rows(grad)
     mm = torch.ops.tvm_gemm.matmul
     grad_x = grad_w = grad_b = None
@@ -452,7 +485,26 @@ def _linear_backward(ctx, grad: Tensor):
     return grad_x, grad_w, grad_b, None
 
 
-torch.library.register_autograd("tvm_gemm::linear", _linear_backward, setup_context=_linear_setup)
+def _linear_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, _):
+    """Forward-mode: dz = dx @ W^T + x @ dW^T + db, then through the activation."""
+    x, weight, bias, activation = (list(inputs) + [None, "none"][len(inputs) - 2 :])[:4]
+    lin = torch.ops.tvm_gemm.linear
+    parts = []
+    if tangent_x is not None:
+        parts.append(lin(tangent_x, weight, None, "none"))
+    if tangent_w is not None:
+        parts.append(lin(x, tangent_w, None, "none"))
+    if tangent_b is not None:
+        parts.append(tangent_b.expand_as(output))
+    dz = _sum_tangents(parts, output)
+    if activation == "relu":
+        return dz * (output > 0)
+    if activation in _PRE_ACTIVATION_GRADS:
+        return _PRE_ACTIVATION_GRADS[activation](dz, lin(x, weight, bias, "none"))
+    return dz
+
+
+register_function_autograd("linear", _linear_backward, _linear_setup, _linear_jvp)
 
 
 # --- conv2d + bias + relu -------------------------------------------------------------------
@@ -767,9 +819,24 @@ def _conv2d_backward(ctx, grad: Tensor):
     return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "tvm_gemm::conv2d_bias_relu", _conv2d_backward, setup_context=_conv2d_setup
-)
+def _conv2d_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, *_):
+    """Forward-mode: conv(dx, W) + conv(x, dW) + db, masked by the ReLU."""
+    x, weight = inputs[0], inputs[1]
+    stride, padding, dilation, groups = ctx.geometry
+    conv = torch.nn.functional.conv2d
+    parts = []
+    if tangent_x is not None:
+        parts.append(conv(tangent_x, weight, None, stride, padding, dilation, groups))
+    if tangent_w is not None:
+        parts.append(conv(x, tangent_w, None, stride, padding, dilation, groups))
+    if tangent_b is not None:
+        parts.append(tangent_b.view(1, -1, 1, 1).expand_as(output))
+    dz = _sum_tangents(parts, output)
+    relu = (list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :])[7]
+    return dz * (output > 0) if relu else dz
+
+
+register_function_autograd("conv2d_bias_relu", _conv2d_backward, _conv2d_setup, _conv2d_jvp)
 
 
 # --- which impls serve real tensors: C++ (csrc/, the fast path) or the Python ones above ----

@@ -152,7 +152,7 @@ def run(args) -> int:
     if not args.no_cnn:
         model, x = small_cnn(), torch.randn(8, 3, 64, 64)
         with torch.no_grad():
-            fused = tg.convert(model)
+            fused = tg.convert(model, inplace=False)
             t_fused, t_orig = compare(lambda: fused(x), lambda: model(x), args.reps, args.rounds)
             err = (fused(x) - model(x)).abs().max().item()
         print(

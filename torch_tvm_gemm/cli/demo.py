@@ -78,8 +78,8 @@ def _conv_demo(torch, F, tg) -> float:
     images = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         ref = cnn(images)
-        converted = tg.convert(cnn)
+        converted = tg.convert(cnn, inplace=False)
         cnn_err = (converted(images) - ref).abs().max().item()
-    print(f"convert(small CNN): {converted.fusion_summary}")
+    print(f"convert(small CNN): {converted.conversion_summary.line()}")
     print(f"converted CNN: max |diff| vs the original = {cnn_err:.2e}")
     return max(err, cnn_err)

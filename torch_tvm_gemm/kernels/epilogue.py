@@ -1,4 +1,4 @@
-"""The element-wise epilogues of the kernels (relu, gelu), with torch's NaN and inf semantics.
+"""The element-wise epilogues of the kernels (relu, gelu, gelu_tanh, silu), with torch's NaN and inf semantics.
 
 ``max(x, 0)`` is not ``torch.relu``: LLVM's and CUDA's float max return the number when one
 operand is NaN, so a NaN sum became 0 (hiding a diverging model). ``x < 0 ? 0 : x`` keeps
@@ -22,3 +22,18 @@ def gelu(x, dtype: str):
 
     half = tirx.const(0.5, dtype)
     return half * x * (tirx.const(1, dtype) + tirx.erf(x * tirx.const(0.7071067811865476, dtype)))
+
+
+def gelu_tanh(x, dtype: str):
+    """The tanh GELU, ``F.gelu(x, approximate="tanh")`` (GPT-2's "gelu_new")."""
+    from tvm import tirx
+
+    inner = tirx.const(0.7978845608028654, dtype) * (x + tirx.const(0.044715, dtype) * x * x * x)
+    return tirx.const(0.5, dtype) * x * (tirx.const(1, dtype) + tirx.tanh(inner))
+
+
+def silu(x, dtype: str):
+    """``F.silu``: x * sigmoid(x) (LLaMA's MLP)."""
+    from tvm import tirx
+
+    return x * tirx.sigmoid(x)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-ACTIVATIONS = ("none", "relu", "gelu")
+# gelu: exact erf form (F.gelu); gelu_tanh: F.gelu(approximate="tanh"); silu: x * sigmoid(x).
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 
 def torch_activation(name: str):
@@ -22,7 +23,13 @@ def torch_activation(name: str):
     top: the compile worker imports this module without torch.)"""
     import torch.nn.functional as F
 
-    return {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}[name]
+    return {
+        "none": lambda t: t,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        "silu": F.silu,
+    }[name]
 
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -112,6 +119,10 @@ def apply_activation(x, activation: str, dtype: str):
         return epilogue.relu(x, dtype)
     if activation == "gelu":  # exact erf form, as torch.nn.functional.gelu
         return epilogue.gelu(x, dtype)
+    if activation == "gelu_tanh":  # F.gelu(x, approximate="tanh"), GPT-2's "gelu_new"
+        return epilogue.gelu_tanh(x, dtype)
+    if activation == "silu":  # F.silu: x * sigmoid(x)
+        return epilogue.silu(x, dtype)
     raise ValueError(f"unknown activation {activation!r}")
 
 

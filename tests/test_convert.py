@@ -1,0 +1,311 @@
+"""convert() on models torch.fx cannot trace whole, and what its summary says (torch only)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+from torch import nn
+
+import torch_tvm_gemm as tg
+
+
+def bn(channels: int) -> nn.BatchNorm2d:
+    """A BatchNorm with non-trivial running statistics."""
+    m = nn.BatchNorm2d(channels)
+    with torch.no_grad():
+        m.running_mean.uniform_(-1, 1)
+        m.running_var.uniform_(0.5, 2)
+        m.weight.uniform_(0.5, 1.5)
+        m.bias.uniform_(-0.5, 0.5)
+    return m
+
+
+class Block(nn.Module):
+    """Traceable: conv -> bn -> relu, then a linear + SiLU MLP on the pooled features."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), bn(8)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x)))
+        return self.fc2(F.silu(self.fc1(y.mean((2, 3)))))
+
+
+class DataDependent(nn.Module):
+    """Untraceable top level (a branch on a tensor value) around traceable children."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Sequential(nn.Linear(4, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 2))
+
+    def forward(self, x, scale: float = 1.0):
+        y = self.block(x)
+        if y.sum() > 0:  # data-dependent control flow: fx cannot trace this
+            y = y * scale
+        return self.head(y)
+
+
+def test_untraceable_top_level_converts_its_children(caplog):
+    model = DataDependent().eval()
+    x = randn(2, 3, 10, 9)
+    expected = model(x)
+    keys = model.state_dict().keys()
+    with caplog.at_level(logging.INFO, logger="torch_tvm_gemm"):
+        assert tg.convert(model) is model
+    summary = model.conversion_summary
+    assert "" in summary.untraced and "control flow" in summary.untraced[""]
+    assert sorted(summary.regions) == ["block", "head"]
+    assert (
+        summary.layers["block.conv"].startswith("fused")
+        and "folded" in summary.layers["block.conv"]
+    )
+    assert summary.layers["block.fc1"].endswith("(silu)")
+    assert summary.layers["head.0"].endswith("(gelu_tanh)")
+    assert summary.layers["block.fc2"] == summary.layers["head.2"] == "swapped"
+    assert summary.converted() == summary.found() == 5
+    assert "convert(DataDependent): 4/4 linear, 1/1 conv2d on TVM ops" in caplog.text
+    assert_close(model(x), expected, k=200)
+    assert_close(model(x, 2.0), DataDependent.forward(model, x, 2.0), k=200)  # kwargs work
+    assert model.state_dict().keys() == keys  # BN stays in the model: same keys
+    clone = copy.deepcopy(model)
+    assert clone.block.conv.weight is not model.block.conv.weight
+    assert_close(clone(x), expected, k=200)
+
+
+def test_converted_model_pickles(tmp_path):
+    model = tg.convert(DataDependent().eval())
+    x = randn(2, 3, 10, 9)
+    expected = model(x)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded.conversion_summary.regions == ["block", "head"]
+    assert_close(loaded(x), expected, k=200)
+
+
+def test_state_dict_round_trip_and_refold():
+    reference = DataDependent().eval()
+    model = tg.convert(copy.deepcopy(reference))
+    x = randn(2, 3, 10, 9)
+    other = DataDependent().eval()  # new weights and BN statistics
+    with torch.no_grad():
+        other.block.bn.running_mean.uniform_(-1, 1)
+    model.load_state_dict(other.state_dict())
+    assert_close(model(x), other(x), k=200)  # the folded conv picked up the new tensors
+    reference.load_state_dict(model.state_dict())
+    assert_close(reference(x), other(x), k=200)
+
+
+def test_training_step_matches_eager():
+    torch.manual_seed(3)
+    eager = DataDependent().eval()
+    converted = tg.convert(copy.deepcopy(eager))
+    x = randn(4, 3, 10, 9)
+    for model in (eager, converted):
+        model(x).square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), converted.parameters(), strict=True):
+        assert q.grad is not None, name
+        assert_close(q.grad, p.grad, k=200)
+
+
+def test_call_outside_the_trace_runs_the_module_forward():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, mask=None):
+            y = F.relu(self.fc(x))
+            return y if mask is None else y * mask
+
+    model, x, mask = Gate(), randn(3, 8), randn(3, 8)
+    expected, expected_masked = model(x), model(x, mask)
+    tg.convert(model)
+    assert model.conversion_summary.regions == ["<top>"]
+    assert_close(model(x), expected, k=8)  # traced with mask=None: the fused graph
+    assert_close(model(x, mask), expected_masked, k=8)  # not covered: the module's forward
+    assert_close(model(x, mask=mask), expected_masked, k=8)
+
+
+class TimmBlock(nn.Module):
+    """timm's ConvNormAct: conv -> bn -> drop (Identity) -> act."""
+
+    def __init__(self, channels: int = 3):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(channels, 8, 3, padding=1, bias=False), bn(8)
+        self.drop, self.act = nn.Identity(), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.drop(self.bn(self.conv(x))))
+
+
+def test_timm_style_conv_bn_identity_act_fuses():
+    model = nn.Sequential(TimmBlock(), nn.Dropout(0.1), TimmBlock(8)).eval()
+    x = randn(2, 3, 10, 9)
+    expected = model(x)
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    assert layers["0.conv"].endswith("(folded) -> _0_act"), layers
+    assert layers["2.conv"].endswith("(folded) -> _2_act"), layers
+    assert_close(model(x), expected, k=200)
+
+
+def test_second_user_is_not_fused_and_says_why():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.conv(x)
+            z = self.fc(y.mean((2, 3)))
+            return F.relu(y) + y, F.relu(z) + z  # both outputs needed without the relu
+
+    model, x = M().eval(), randn(2, 3, 10, 9)
+    expected = model(x)
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    assert layers["conv"] == "left alone: conv output has 3 users"  # relu, add, mean
+    assert layers["fc"] == "swapped"
+    for got, want in zip(model(x), expected, strict=True):
+        assert_close(got, want, k=27)
+
+
+def test_conv_bn_without_activation_folds():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), bn(8)).eval()
+    x = randn(2, 3, 10, 9)
+    expected = model(x)
+    tg.convert(model)
+    assert model.conversion_summary.layers["0"].endswith("(folded)")
+    assert_close(model(x), expected, k=27)
+    model.train()  # a BN back in training mode: batch statistics, as eager
+    assert_close(
+        model(x),
+        F.batch_norm(
+            F.conv2d(x, model[0].weight, model[0].bias, padding=1),
+            None,
+            None,
+            model[1].weight,
+            model[1].bias,
+            True,
+        ),
+        k=27,
+    )
+
+
+def test_training_mode_bn_is_not_folded():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), bn(8), nn.ReLU()).train()
+    tg.convert(model)
+    assert "training" in model.conversion_summary.layers["0"]
+
+
+def test_multihead_attention_out_proj_is_reported_not_swapped():
+    model = nn.Sequential(nn.Linear(8, 8), nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0))
+    model.eval()
+    x = randn(3, 5, 8)
+    expected = model(x)
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    assert "reads this projection's weight directly" in layers["1.self_attn.out_proj"]
+    assert type(model[1].self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert layers["1.linear1"] == layers["1.linear2"] == "swapped"
+    assert_close(model(x), expected, k=16)
+
+
+def test_linear_subclasses():
+    class Plain(nn.Linear):
+        pass
+
+    class Custom(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(Plain(8, 8), nn.ReLU(), Custom(8, 4))
+    x = randn(3, 8)
+    expected = model(x)
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    assert layers["0"].endswith("(relu)")
+    assert layers["2"] == "left alone: Custom overrides nn.Linear.forward"
+    assert_close(model(x), expected, k=8)
+
+
+def test_tied_weights_stay_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(20, 8)
+            self.head = nn.Linear(8, 20, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    model, ids = Tied(), torch.randint(0, 20, (2, 5))
+    expected = model(ids)
+    tg.convert(model)
+    assert model.head.weight is model.embed.weight
+    assert_close(model(ids), expected, k=8)
+    assert list(model.state_dict()) == ["embed.weight", "head.weight"]
+
+
+def test_linear_filter_and_its_errors():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    tg.convert(model, linear_filter=lambda m, fqn: fqn != "2")
+    assert model.conversion_summary.layers["2"] == "left alone: filter_fn said no"
+    assert type(model[2]) is nn.Linear
+
+    def broken(module, fqn):
+        raise KeyError("boom")
+
+    with pytest.raises(RuntimeError, match="linear_filter raised on '0'.*boom"):
+        tg.convert(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), linear_filter=broken)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="torch_tvm_gemm.convert: expected an nn.Module"):
+        tg.convert(lambda x: x)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        tg.TVMLinear(4, 4, activation="tanh")
+
+
+def test_meta_device_model():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4))
+    tg.convert(model)
+    out = model(torch.empty(3, 8, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 4)
+
+
+def test_inplace_false_leaves_the_model_alone():
+    model = DataDependent().eval()
+    converted = tg.convert(model, inplace=False)
+    assert converted is not model and type(model.head[0]) is nn.Linear
+    assert not hasattr(model, "conversion_summary")
+
+
+@pytest.mark.parametrize("rows", [1, 6])  # 1: the small-M (gemv) kernel
+def test_tvm_conv1d_reads_the_transposed_weight_in_place(rows):
+    layer = tg.TVMConv1D(nf=64, nx=128, activation="gelu_tanh")
+    with torch.no_grad():
+        layer.bias.uniform_(-1, 1)
+    assert list(layer.state_dict()) == ["weight", "bias"] and layer.weight.shape == (128, 64)
+    x = randn(rows, 2, 128).requires_grad_()
+    out = layer(x)
+    ref_x = x.detach().requires_grad_()
+    flat = torch.addmm(layer.bias, ref_x.view(-1, 128), layer.weight).view(rows, 2, 64)
+    expected = F.gelu(flat, approximate="tanh")
+    assert_close(out, expected, k=128)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, layer.weight), grad)
+    want = torch.autograd.grad(expected, (ref_x, layer.weight), grad)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, k=128)

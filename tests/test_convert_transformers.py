@@ -1,0 +1,165 @@
+"""convert() on transformers models (small configs, random weights, no downloads): every
+Linear / Conv1D / Conv2d accounted for, outputs and gradients as eager."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import torch_tvm_gemm as tg
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def bert():
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertModel(config), {"input_ids": torch.randint(0, 50, (2, 12))}
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=50,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config), {"input_ids": torch.randint(0, 50, (2, 12))}
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    return transformers.LlamaModel(config), {"input_ids": torch.randint(0, 50, (2, 12))}
+
+
+def resnet():
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck"
+    )
+    return transformers.ResNetModel(config), {"pixel_values": torch.randn(2, 3, 32, 32)}
+
+
+def mobilenet():
+    config = transformers.MobileNetV2Config(depth_multiplier=0.35, image_size=32, tf_padding=False)
+    return transformers.MobileNetV2Model(config), {"pixel_values": torch.randn(2, 3, 32, 32)}
+
+
+# family -> (model factory, {fqn suffix: what it must have become})
+FAMILIES = {
+    "bert": (bert, {"intermediate.dense": "(gelu)", "attention.self.query": "swapped"}),
+    "gpt2": (gpt2, {"mlp.c_fc": "(gelu_tanh)", "attn.c_attn": "swapped", "lm_head": "swapped"}),
+    "llama": (llama, {"mlp.gate_proj": "(silu)", "mlp.down_proj": "swapped"}),
+    "resnet": (resnet, {"shortcut.convolution": "(folded)", "layer.0.convolution": "activation"}),
+    "mobilenet": (mobilenet, {"reduce_1x1.convolution": "(folded)"}),
+}
+
+
+def first(output) -> torch.Tensor:
+    return output[0] if not isinstance(output, torch.Tensor) else output
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_converts_and_matches_eager(family):
+    torch.manual_seed(0)
+    make, expect = FAMILIES[family]
+    model, inputs = make()
+    model.eval()
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        expected = reference(**inputs)
+        assert tg.convert(model) is model
+        got = model(**inputs)
+    assert type(got) is type(expected)  # ModelOutput stays ModelOutput
+    summary = model.conversion_summary
+    assert summary.converted() == summary.found() > 0, summary  # every layer on TVM
+    for suffix, what in expect.items():
+        matches = [w for fqn, w in summary.layers.items() if fqn.endswith(suffix)]
+        assert matches and all(what in w for w in matches), (suffix, matches)
+    scale = first(expected).abs().max()
+    assert (first(got) - first(expected)).abs().max() <= 1e-4 * scale
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(reference.state_dict())  # round trip
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "resnet"])
+def test_family_training_step(family):
+    torch.manual_seed(0)
+    model, inputs = FAMILIES[family][0]()
+    model.eval()  # BN folded with running stats; dropout is 0 in the configs
+    converted = tg.convert(copy.deepcopy(model))
+    # A fixed random projection: the sum of squares of a LayerNorm output is ~constant, its
+    # gradients cancel to rounding noise.
+    weights = torch.randn_like(first(model(**inputs)))
+    for m in (model, converted):
+        (first(m(**inputs)) * weights).sum().backward()
+    # fp32 sums in another order: errors relative to the largest gradient (some, e.g. a
+    # key bias under softmax, are zero in exact arithmetic: rounding noise only).
+    scale = max(p.grad.abs().max() for p in model.parameters() if p.grad is not None)
+    for (name, p), q in zip(model.named_parameters(), converted.parameters(), strict=True):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5 * scale, msg=name)
+
+
+def test_gpt2_tied_lm_head_and_conv1d():
+    model, inputs = gpt2()
+    model.eval()
+    tg.convert(model)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    attn = model.transformer.h[0].attn.c_attn
+    assert type(attn).__name__ == "TVMConv1D" and (attn.nx, attn.nf) == (32, 96)
+    model.tie_weights()  # transformers re-tying works on the swapped module too
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_bert_bf16_forward():
+    torch.manual_seed(0)
+    model, inputs = bert()
+    model.eval()
+    reference = copy.deepcopy(model)
+    model, reference = model.to(torch.bfloat16), reference.to(torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(**inputs)[0].float()
+        tg.convert(model)
+        got = model(**inputs)[0].float()
+        exact = copy.deepcopy(reference).float()(**inputs)[0]
+    # bf16 on TVM is as far from fp32 as torch's own bf16 is.
+    assert (got - exact).abs().max() <= 2 * (expected - exact).abs().max() + 1e-2
+
+
+def test_bench_models_cli_runs(tmp_path):
+    """The model benchmark's command line works (a smoke test: one small model, one call)."""
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path / "models.json"
+    argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
+    assert main([*argv, "--reps", "1", "--rounds", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["converted_layers"] == row["found_layers"] == 7
+    assert row["max_rel_err"] < 1e-4

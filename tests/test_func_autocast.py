@@ -1,0 +1,147 @@
+"""torch.func (grad, vmap, jacrev, jvp), forward-mode AD and torch.autocast over the ops,
+against the same calls on the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+from torch import nn
+from torch.autograd import forward_ad
+
+import torch_tvm_gemm as tg
+from torch_tvm_gemm import ops
+
+
+@pytest.fixture(params=["cpp", "python"])
+def impl(request):
+    if request.param == "cpp" and tg.ops.impl_path() != "cpp":
+        pytest.skip("no C++ extension")
+    previous = ops.use_impl(request.param)
+    yield request.param
+    ops.use_impl(previous)
+
+
+ACTS = {
+    "none": lambda t: t,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def pairs(act: str):
+    """(tvm fn, torch fn) of (x, w, b) for each op."""
+    conv_w = randn(4, 3, 3, 3, seed=5)
+    yield (
+        lambda x, w, b: tg.linear(x, w, b, act),
+        lambda x, w, b: ACTS[act](F.linear(x, w, b)),
+    )
+    yield (lambda x, w, b: tg.matmul(x, w.t()) + b, lambda x, w, b: x @ w.t() + b)
+    relu = act == "relu"
+    yield (
+        lambda x, w, b: tg.conv2d_bias_relu(
+            x.view(1, 3, 4, 4), conv_w, b[:4], padding=1, relu=relu
+        ),
+        lambda x, w, b: (F.relu if relu else ACTS["none"])(
+            F.conv2d(x.view(1, 3, 4, 4), conv_w, b[:4], padding=1)
+        ),
+    )
+
+
+def args():
+    return randn(3, 16, seed=1), randn(6, 16, seed=2), randn(6, seed=3)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_grad_and_jacrev_match_torch(impl, act):
+    x, w, b = args()
+    for tvm_fn, ref_fn in pairs(act):
+        for argnums in (0, 1, 2):
+            got = torch.func.grad(lambda *a, f=tvm_fn: f(*a).sum(), argnums=argnums)(x, w, b)
+            want = torch.func.grad(lambda *a, f=ref_fn: f(*a).sum(), argnums=argnums)(x, w, b)
+            assert_close(got, want, k=16)
+        got = torch.func.jacrev(tvm_fn, argnums=(0, 1))(x, w, b)
+        want = torch.func.jacrev(ref_fn, argnums=(0, 1))(x, w, b)
+        for g, r in zip(got, want, strict=True):
+            assert_close(g, r, k=16)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_jvp_and_forward_ad_give_the_right_tangents(impl, act):
+    x, w, b = args()
+    tangents = tuple(torch.randn_like(t) for t in (x, w, b))
+    for tvm_fn, ref_fn in pairs(act):
+        out, tangent = torch.func.jvp(tvm_fn, (x, w, b), tangents)
+        ref_out, ref_tangent = torch.func.jvp(ref_fn, (x, w, b), tangents)
+        assert_close(out, ref_out, k=16)
+        assert_close(tangent, ref_tangent, k=16)
+        assert tangent.abs().max() > 0
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(p, t) for p, t in zip((x, w, b), tangents, strict=True)]
+            got = forward_ad.unpack_dual(tvm_fn(*duals)).tangent
+        assert got is not None
+        assert_close(got, ref_tangent, k=16)
+
+
+def test_vmap_matches_torch(impl):
+    x, w, b = randn(5, 3, 16), randn(6, 16), randn(6)
+    got = torch.func.vmap(lambda xi: tg.linear(xi, w, b, "silu"))(x)
+    assert_close(got, F.silu(F.linear(x, w, b)), k=16)
+    per_sample = torch.func.vmap(
+        torch.func.grad(lambda w, xi: tg.linear(xi, w, b, "gelu").sum()), in_dims=(None, 0)
+    )(w, x)
+    want = torch.func.vmap(
+        torch.func.grad(lambda w, xi: F.gelu(F.linear(xi, w, b)).sum()), in_dims=(None, 0)
+    )(w, x)
+    assert_close(per_sample, want, k=16)
+
+
+def test_vmap_rules_fold_or_loop_like_torch(impl):
+    x, ws, b = randn(3, 16), randn(4, 6, 16), randn(6)
+    got = torch.func.vmap(lambda w: tg.linear(x, w, b, "relu"))(ws)  # batched weight: per sample
+    assert_close(got, F.relu(torch.einsum("mk,bnk->bmn", x, ws) + b), k=16)
+    a3, a4, m = randn(2, 5, 7), randn(3, 2, 5, 7), randn(7, 4)
+    assert_close(torch.func.vmap(lambda a: tg.matmul(a, m))(a3), a3 @ m, k=7)  # folded
+    assert_close(
+        torch.func.vmap(lambda a: tg.matmul(a, m), in_dims=1)(a4), (a4 @ m).movedim(1, 0), k=7
+    )
+    images, w = randn(2, 3, 3, 6, 6), randn(4, 3, 3, 3)
+    got = torch.func.vmap(lambda t: tg.conv2d_bias_relu(t, w, b[:4], padding=1))(images)
+    want = F.relu(F.conv2d(images.flatten(0, 1), w, b[:4], padding=1)).unflatten(0, (2, 3))
+    assert_close(got, want, k=27)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_autocast_casts_like_torch(impl, dtype):
+    x, w, b = args()
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        for tvm_fn, ref_fn in pairs("gelu"):
+            got, want = tvm_fn(x, w, b), ref_fn(x, w, b)
+            assert got.dtype == want.dtype  # (the matmul pair adds an fp32 bias after it)
+            assert_close(got.to(dtype), want, k=16)  # at bf16 tolerance
+        assert tg.linear(x, w, b).dtype == dtype
+        mixed = tg.linear(x.to(dtype), w, b)  # a bf16 activation meets fp32 weights
+        assert mixed.dtype == dtype
+    mixed.float().sum().backward()
+    assert w.grad.dtype == torch.float32
+
+
+def test_autocast_training_step_of_a_converted_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 4))
+    reference = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 4))
+    reference.load_state_dict(model.state_dict())
+    tg.convert(model)
+    x = randn(8, 16)
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+    for p, q in zip(reference.parameters(), model.parameters(), strict=True):
+        assert q.grad.dtype == torch.float32
+        torch.testing.assert_close(q.grad, p.grad, rtol=5e-2, atol=5e-2 * p.grad.abs().max())

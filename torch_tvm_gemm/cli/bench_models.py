@@ -1,0 +1,200 @@
+"""``bench-models``: real architectures end to end, eager PyTorch vs after ``convert``.
+
+Models are built from transformers configs with random weights (nothing is downloaded): a
+BERT-style encoder, GPT-2, a LLaMA-style decoder stack, ResNet-50 (``ResNetModel``) and a
+MobileNetV2. For each model, dtype and batch size: eager time, converted time (same run,
+alternating rounds, best of each), their ratio (above 1: converted faster), layers on TVM
+ops / found, max error vs eager relative to the output's largest value, and the first call
+after ``convert`` (kernel builds or cache loads included). Needs ``pip install
+torch_tvm_gemm[models]`` (transformers).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+
+MODELS = ("bert", "gpt2", "llama", "resnet50", "mobilenet")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench-models", help="transformers models: eager vs convert(), end to end")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--seq", type=int, default=128, help="sequence length of the text models")
+    p.add_argument("--image", type=int, default=224, help="image size of the CNNs")
+    p.add_argument("--layers", type=int, default=4, help="layers of the text models")
+    p.add_argument("--threads", type=int, default=None, help="torch and TVM threads")
+    p.add_argument("--reps", type=int, default=3, help="calls per timing round")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds (best is kept)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(original) and torch.compile(converted)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a bar chart of the ratios (matplotlib)")
+    p.set_defaults(func=run)
+
+
+def build(name: str, layers: int):
+    """(model in eval mode, input maker ``(batch, seq, image) -> kwargs``) for ``name``."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    text = {}
+    if name == "bert":
+        config = transformers.BertConfig(num_hidden_layers=layers)  # hidden 768, 12 heads
+        model = transformers.BertModel(config)
+    elif name == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers)  # 768, 12 heads, tied lm_head
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "llama":
+        config = transformers.LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=32000,
+        )
+        model = transformers.LlamaModel(config)
+    elif name == "resnet50":
+        model = transformers.ResNetModel(transformers.ResNetConfig())  # the ResNet-50 layout
+    else:
+        config = transformers.MobileNetV2Config(tf_padding=False)  # symmetric padding
+        model = transformers.MobileNetV2Model(config)
+    if name in ("bert", "gpt2", "llama"):
+        vocab = model.config.vocab_size
+        text["make"] = lambda b, s, i: {"input_ids": torch.randint(0, vocab, (b, s))}
+    else:
+        text["make"] = lambda b, s, i: {"pixel_values": torch.randn(b, 3, i, i)}
+    return model.eval(), text["make"]
+
+
+def first_tensor(output):
+    import torch
+
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def run(args) -> int:
+    import torch
+
+    import torch_tvm_gemm as tg
+
+    from .bench_conv import compare, keep_freed_memory
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bench-models needs transformers: pip install 'torch_tvm_gemm[models]'")
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    torch.manual_seed(0)
+    rows = []
+    header = (
+        f"{'model':<10} {'dtype':<9} {'batch':>5} {'eager ms':>9} {'conv ms':>9} {'ratio':>6} "
+        f"{'layers':>9} {'max err':>8} {'1st call s':>10}"
+    )
+    print(f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster)")
+    print(header + (f" {'cmp(eager)':>10} {'cmp(conv)':>10}" if args.compile else ""))
+    for name in args.models:
+        for dtype_name in args.dtype:
+            dtype = getattr(torch, dtype_name)
+            eager, make = build(name, args.layers)
+            eager = eager.to(dtype)
+            converted = copy.deepcopy(eager)
+            start = time.perf_counter()
+            tg.convert(converted)
+            convert_s = time.perf_counter() - start
+            summary = converted.conversion_summary
+            first_call = None
+            for batch in args.batch:
+                inputs = make(batch, args.seq, args.image)
+                if inputs.get("pixel_values") is not None:
+                    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                with torch.no_grad():
+                    start = time.perf_counter()
+                    got = first_tensor(converted(**inputs))
+                    call_s = time.perf_counter() - start
+                    first_call = call_s if first_call is None else first_call
+                    want = first_tensor(eager(**inputs))
+                    err = ((got - want).abs().max() / want.abs().max()).item()
+                    t_conv, t_eager = compare(
+                        lambda i=inputs, m=converted: m(**i),
+                        lambda i=inputs, m=eager: m(**i),
+                        args.reps,
+                        args.rounds,
+                    )
+                    if args.compile:
+                        c_conv, c_eager = torch.compile(converted), torch.compile(eager)
+                        t_c_conv, t_c_eager = compare(
+                            lambda i=inputs, m=c_conv: m(**i),
+                            lambda i=inputs, m=c_eager: m(**i),
+                            args.reps,
+                            args.rounds,
+                        )
+                row = {
+                    "model": name,
+                    "dtype": dtype_name,
+                    "batch": batch,
+                    "eager_s": t_eager,
+                    "converted_s": t_conv,
+                    "ratio": t_eager / t_conv,
+                    "converted_layers": summary.converted(),
+                    "found_layers": summary.found(),
+                    "fused": len(summary.fused),
+                    "max_rel_err": err,
+                    "first_call_s": call_s,
+                    "convert_s": convert_s,
+                }
+                compiled = ""
+                if args.compile:
+                    row |= {"compiled_eager_s": t_c_eager, "compiled_converted_s": t_c_conv}
+                    compiled = f" {t_c_eager * 1e3:10.2f} {t_c_conv * 1e3:10.2f}"
+                rows.append(row)
+                print(
+                    f"{name:<10} {dtype_name:<9} {batch:>5} {t_eager * 1e3:9.2f} "
+                    f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} "
+                    f"{f'{summary.converted()}/{summary.found()}':>9} {err:8.1e} {call_s:10.2f}"
+                    + compiled
+                )
+    ratios = [r["ratio"] for r in rows]
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
+    print(f"geometric mean ratio {geomean:.2f}, min {min(ratios, default=float('nan')):.2f}")
+    if args.png:
+        plot(rows, args.png, torch.get_num_threads())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"threads": torch.get_num_threads(), "rows": rows, "geomean": geomean}, f, indent=1
+            )
+    return 0
+
+
+def plot(rows: list[dict], path: str, threads: int) -> None:
+    """One bar per (model, dtype, batch): eager time / converted time, 1.0 as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    labels = [f"{r['model']}\n{short[r['dtype']]} b{r['batch']}" for r in rows]
+    ratios = [r["ratio"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
+    ax.bar(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("eager / converted (above 1: faster)")
+    ax.set_title(f"convert() end to end, {threads} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""``TVMConv2dBN``: a Conv2d followed by an eval-mode BatchNorm2d (and optionally a ReLU) as
+one TVM conv, with the BN folded into the conv's weight and bias.
+
+The conv and BN stay the model's (they are not submodules here, so nothing is duplicated in
+a ``state_dict``); the folded weight and bias are recomputed whenever one of their tensors
+changes (``load_state_dict``, an optimizer step, ``.to()``), so the module never runs on
+stale values. With gradients wanted the fold is done with autograd on every call, so the
+gradients reach the conv's and BN's own parameters; a BN switched back to training mode runs
+as plain torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .fusion import _OP, _conv_padding
+
+
+def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
+    """The weight and bias of ``conv`` with the eval-mode ``bn`` after it folded in."""
+    var, mean = bn.running_var, bn.running_mean
+    gamma = bn.weight if bn.weight is not None else torch.ones_like(var)
+    beta = bn.bias if bn.bias is not None else torch.zeros_like(var)
+    scale = gamma * torch.rsqrt(var + bn.eps)
+    bias = conv.bias if conv.bias is not None else torch.zeros_like(mean)
+    weight = conv.weight * scale.to(conv.weight.dtype).view(-1, 1, 1, 1)
+    return weight, ((bias - mean) * scale + beta).to(conv.weight.dtype)
+
+
+class TVMConv2dBN(nn.Module):
+    """``relu?(bn(conv(x)))`` for an eval-mode ``bn``, one ``tvm_gemm.conv2d_bias_relu`` call."""
+
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> None:
+        super().__init__()
+        padding = _conv_padding(conv)
+        if padding is None:
+            raise ValueError(
+                f"TVMConv2dBN: padding={conv.padding!r}, padding_mode={conv.padding_mode!r} "
+                "is not supported (zero padding, symmetric only)"
+            )
+        # Plain attributes, not submodules: the model owns (and saves) them.
+        self.__dict__["sources"] = (conv, bn)
+        self.relu = relu
+        self.padding = list(padding)
+        self._key: tuple | None = None
+        self._folded: tuple[Tensor, Tensor] | None = None
+
+    def _tensors(self) -> list[Tensor]:
+        conv, bn = self.sources
+        found = [conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var]
+        return [t for t in found if t is not None]
+
+    def _weights(self) -> tuple[Tensor, Tensor]:
+        conv, bn = self.sources
+        tensors = self._tensors()
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return fold_conv_bn(conv, bn)  # differentiable, every call
+        try:
+            key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+        except RuntimeError:  # inference tensors have no version: fold every time
+            key = None
+        if key is None or key != self._key:
+            with torch.no_grad():
+                weight, bias = fold_conv_bn(conv, bn)
+            self._folded = (weight.contiguous(), bias.contiguous())
+            self._key = key
+        return self._folded
+
+    def forward(self, x: Tensor) -> Tensor:
+        conv, bn = self.sources
+        if bn.training:  # switched back to training: batch statistics, no folding
+            y = bn(conv(x))
+            return F.relu(y) if self.relu else y
+        weight, bias = self._weights()
+        unbatched = x.dim() == 3
+        y = _OP(
+            x.unsqueeze(0) if unbatched else x,
+            weight,
+            bias,
+            list(conv.stride),
+            self.padding,
+            list(conv.dilation),
+            conv.groups,
+            self.relu,
+        )
+        return y.squeeze(0) if unbatched else y
+
+    def extra_repr(self) -> str:
+        conv, _ = self.sources
+        return f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}, relu={self.relu}"

@@ -1,0 +1,425 @@
+"""``convert(model)``: put a whole model on the TVM ops, whatever its forward does.
+
+``torch.fx`` cannot trace most real models at the top level (transformers' models branch
+on their config and arguments, check shapes, build caches). ``convert`` does not need it to:
+
+1. It looks for the largest submodules that ``torch.fx`` can trace, top down: a module that
+   traces is a *region*; for one that does not, its children are tried. Inside a region,
+   conv -> (BN) -> ReLU chains become one ``tvm_gemm.conv2d_bias_relu`` call and a linear
+   layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
+   ``tvm_gemm.linear`` call with that activation.
+2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
+   ``Conv1D``) is swapped for its TVM module in place, parameters shared.
+
+The model object stays the user's: same class, same attributes, same call signature and
+outputs, same ``state_dict`` keys. A region with fusions runs its traced, fused graph
+(kept out of the module tree, so it adds no ``state_dict`` entries) from a ``forward`` set on
+that module; a call the trace does not cover (an argument that was ``None`` or a flag at
+trace time now set otherwise) runs the module's own forward, on the swapped layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from .fold import TVMConv2dBN
+from .fusion import TVMConv2dBiasReLU, fuse_convs_in_graph
+from .nn import (
+    TVMConv1D,
+    TVMLinear,
+    activation_name,
+    is_conv1d,
+    linear_kind,
+    swap_linear_layers,
+    tvm_module_for,
+)
+
+log = logging.getLogger("torch_tvm_gemm")
+
+
+# --- the summary ----------------------------------------------------------------------------
+
+
+@dataclass
+class ConversionSummary:
+    """What ``convert`` did to each layer.
+
+    ``layers`` maps the qualified name of every ``nn.Linear`` / ``Conv1D`` / ``nn.Conv2d``
+    found to what it became (``"swapped"``, ``"fused: ..."``) or why it was left alone
+    (``"left alone: <reason>"``). ``regions`` lists the traced submodules that run a fused
+    graph; ``untraced`` maps each module ``torch.fx`` could not trace to the reason.
+    """
+
+    model: str = ""
+    layers: dict[str, str] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # fqn -> "linear" | "conv1d" | "conv2d"
+    regions: list[str] = field(default_factory=list)
+    untraced: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fused(self) -> list[str]:
+        return [
+            f"{fqn}: {what[7:]}" for fqn, what in self.layers.items() if what.startswith("fused")
+        ]
+
+    @property
+    def skipped(self) -> list[str]:
+        return [f"{fqn}: {what}" for fqn, what in self.layers.items() if what.startswith("left")]
+
+    def converted(self, kind: str | None = None) -> int:
+        """How many layers (of ``kind``) run on a TVM op."""
+        return sum(
+            1
+            for fqn, what in self.layers.items()
+            if not what.startswith("left") and (kind is None or self.kinds[fqn] == kind)
+        )
+
+    def found(self, kind: str | None = None) -> int:
+        return sum(1 for k in self.kinds.values() if kind is None or k == kind)
+
+    def line(self) -> str:
+        """One line for the log."""
+        parts = []
+        for kind in ("linear", "conv1d", "conv2d"):
+            if self.found(kind):
+                parts.append(f"{self.converted(kind)}/{self.found(kind)} {kind}")
+        fused = len(self.fused)
+        left = len(self.skipped)
+        return (
+            f"convert({self.model}): {', '.join(parts) or 'no layers'} on TVM ops, {fused} fused, "
+            f"{left} left alone, {len(self.regions)} traced regions, "
+            f"{len(self.untraced)} untraceable modules"
+        )
+
+    def __str__(self) -> str:
+        lines = [self.line()]
+        lines += [f"  {fqn}: {what}" for fqn, what in self.layers.items()]
+        lines += [f"  untraceable {fqn or '<top>'}: {why}" for fqn, why in self.untraced.items()]
+        return "\n".join(lines)
+
+
+# --- tracing --------------------------------------------------------------------------------
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, with the layers the passes rewrite kept as single calls."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, (nn.MultiheadAttention, TVMLinear, TVMConv1D, TVMConv2dBiasReLU)):
+            return True
+        if is_conv1d(m) or activation_name(m) is not None or linear_kind(m)[0] is not None:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def create_arg(self, a):
+        # fx turns a dict subclass (transformers' ModelOutput) into a plain dict: the traced
+        # module would not return what the module returns.
+        if isinstance(a, dict) and type(a) not in (dict, OrderedDict):
+            raise _Untraceable(f"it returns a {type(a).__name__}, which fx would turn into a dict")
+        return super().create_arg(a)
+
+
+class _Untraceable(Exception):
+    pass
+
+
+@dataclass
+class _Traced:
+    """A region's fused graph and what its trace assumed about the arguments."""
+
+    gm: fx.GraphModule
+    signature: inspect.Signature
+    concrete: dict  # argument name -> the non-tensor value the trace was specialised on
+    n_tensors: int  # leading positional tensor arguments
+
+    def run(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not kwargs and len(args) == self.n_tensors and all(isinstance(a, Tensor) for a in args):
+            return self.gm(*args)  # the common call: tensors only, defaults for the rest
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return type(module).forward(module, *args, **kwargs)  # raises the usual error
+        bound.apply_defaults()
+        for name, value in bound.arguments.items():
+            if name in self.concrete:
+                expected = self.concrete[name]
+                same = value is expected or (type(value) is type(expected) and value == expected)
+            else:
+                same = isinstance(value, Tensor)
+            if not same:  # the trace does not cover this call
+                return type(module).forward(module, *args, **kwargs)
+        return self.gm(*bound.arguments.values())  # positional: fx renames specialised args
+
+
+class _RegionForward:
+    """The ``forward`` set on a converted region: its fused graph when the trace covers the
+    call. An object rather than a bound function so that the model pickles and deep-copies."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        return module.__dict__["_tvm_traced"].run(module, args, kwargs)
+
+    def __reduce__(self):
+        return (_RegionForward, (self.module,))
+
+
+def _trace(module: nn.Module) -> tuple[fx.GraphModule, inspect.Signature, dict, int]:
+    forward = type(module).forward
+    signature = inspect.signature(types.MethodType(forward, module))
+    concrete = {}
+    n_tensors = 0
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise _Untraceable("its forward takes *args / **kwargs")
+        if param.kind is param.KEYWORD_ONLY:
+            raise _Untraceable("its forward takes keyword-only arguments")
+        if param.default is not param.empty and not isinstance(param.default, Tensor):
+            concrete[param.name] = param.default  # traced with its default, and guarded
+        elif not concrete:
+            n_tensors += 1
+    try:
+        graph = _Tracer().trace(module, concrete_args=concrete or None)
+    except _Untraceable:
+        raise
+    except Exception as err:
+        raise _Untraceable(f"{type(err).__name__}: {_first_line(err)}") from None
+    gm = fx.GraphModule(module, graph, class_name=f"Traced{type(module).__name__}")
+    return gm, signature, concrete, n_tensors
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:160] if text else ""
+
+
+# --- linear + activation in a graph ---------------------------------------------------------
+
+_FUNCTIONAL_ACTIVATIONS = {F.relu: "relu", torch.relu: "relu", F.silu: "silu"}
+_METHOD_ACTIVATIONS = {"relu": "relu"}
+
+
+def _activation_of(gm_modules: dict, node: fx.Node) -> str | None:
+    """The activation ``node`` applies to its single input, or None."""
+    if node.op == "call_module":
+        return activation_name(gm_modules[node.target]) if len(node.args) == 1 else None
+    if node.op == "call_function":
+        if node.target is F.gelu and len(node.args) == 1:
+            approximate = node.kwargs.get("approximate", "none")
+            return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+        if node.target in _FUNCTIONAL_ACTIVATIONS and len(node.args) == 1:
+            inplace = node.kwargs.get("inplace", False)
+            return (
+                None
+                if node.kwargs.keys() - {"inplace"} or inplace not in (True, False)
+                else (_FUNCTIONAL_ACTIVATIONS[node.target])
+            )
+        return None
+    if node.op == "call_method" and node.target in _METHOD_ACTIVATIONS and len(node.args) == 1:
+        return _METHOD_ACTIVATIONS[node.target]
+    return None
+
+
+def _is_transparent(modules: dict, node: fx.Node) -> bool:
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return False
+    mod = modules[node.target]
+    return type(mod) is nn.Identity or (
+        type(mod) is nn.Dropout and (not mod.training or mod.p == 0)
+    )
+
+
+def _fuse_linears(gm: fx.GraphModule, allowed: Callable[[str], bool], records: dict) -> int:
+    """Linear-like module -> activation (single use) into one TVM module; the other linear
+    calls onto TVM modules too. Returns the number of fusions."""
+    modules = dict(gm.named_modules())
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or linear_kind(modules[node.target])[0] is None:
+            continue
+        if not allowed(node.target):
+            continue
+        activation, user, passed = "none", None, []
+        if calls[node.target] == 1 and len(node.args) == 1 and not node.kwargs:
+            user = next(iter(node.users)) if len(node.users) == 1 else None
+            while user is not None and _is_transparent(modules, user) and len(user.users) == 1:
+                passed.append(user)
+                user = next(iter(user.users))
+            act = _activation_of(modules, user) if user is not None else None
+            if act is not None:
+                activation = act
+        new = tvm_module_for(modules[node.target], activation)
+        parent, _, name = node.target.rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, name, new)
+        modules[node.target] = new
+        if activation != "none":
+            user.replace_all_uses_with(node)
+            for dead in [user, *reversed(passed)]:
+                gm.graph.erase_node(dead)
+            records[node.target] = f"fused: {node.name} -> {user.name} ({activation})"
+            fused += 1
+        elif calls[node.target] != 1:
+            records[node.target] = "swapped (called more than once: activation not fused)"
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return fused
+
+
+# --- convert --------------------------------------------------------------------------------
+
+
+def _live_fold(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> nn.Module:
+    return TVMConv2dBN(conv, bn, relu)
+
+
+def _convert_region(module, fqn, allowed, summary, records) -> None:
+    """Trace ``module`` and fuse inside it, or recurse into its children if it won't trace."""
+    if isinstance(module, nn.MultiheadAttention) or _is_layer(module):
+        return
+    if not _has_layers(module):
+        return
+    try:
+        if type(module).forward is nn.Module.forward:  # a container (ModuleList, ModuleDict)
+            raise _Untraceable("")
+        gm, signature, concrete, n_tensors = _trace(module)
+    except _Untraceable as why:
+        if str(why):
+            summary.untraced[fqn] = str(why)
+        for name, child in module.named_children():
+            _convert_region(child, f"{fqn}.{name}" if fqn else name, allowed, summary, records)
+        return
+    local: dict[str, str] = {}
+    prefix = f"{fqn}." if fqn else ""
+    conv_summary = fuse_convs_in_graph(gm, fold=_live_fold, records=local)
+    fused = len(conv_summary.fused)
+    fused += _fuse_linears(gm, lambda target: allowed(prefix + target), local)
+    for target, what in local.items():
+        records[prefix + target] = what
+    if fused:
+        module.__dict__["_tvm_traced"] = _Traced(gm, signature, concrete, n_tensors)
+        module.forward = _RegionForward(module)
+        summary.regions.append(fqn or "<top>")
+
+
+def _is_layer(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv2d) or is_conv1d(module) or isinstance(module, nn.Linear)
+
+
+def _has_layers(module: nn.Module) -> bool:
+    return any(_is_layer(m) for m in module.modules())
+
+
+def _kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Conv2d):
+        return "conv2d"
+    if is_conv1d(module) or isinstance(module, TVMConv1D):
+        return "conv1d"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    return None
+
+
+def convert(
+    model: nn.Module,
+    linear_filter: Callable[[nn.Module, str], bool] | None = None,
+    inplace: bool = True,
+) -> nn.Module:
+    """Put ``model`` on the TVM ops: conv -> (BN) -> ReLU and linear -> activation fusion where
+    ``torch.fx`` can trace, every linear layer swapped everywhere. Never gives up on a model.
+
+    Returns ``model`` itself, converted in place (``inplace=False``: a converted deep copy):
+    same class, call signature, outputs and ``state_dict`` keys. ``linear_filter(module,
+    fqn)`` chooses the linear layers to convert (default: all). The summary (every Linear,
+    Conv1D and Conv2d found, what it became or why it was left alone) is logged as one line
+    (logger ``torch_tvm_gemm``) and kept as ``model.conversion_summary``
+    (a ``ConversionSummary``; ``print`` it for one line per layer).
+
+    BN folding uses the running statistics of eval-mode BatchNorms (refolded when the conv
+    or BN tensors change, e.g. after ``load_state_dict``); a BN in training mode is not
+    folded, and one switched to training mode after conversion runs as plain torch ops.
+    What ``torch.fx`` specialises at trace time stays so in a fused region: Python-level
+    branches on ``self.training`` or on shapes; convert a model in the mode it will run in.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"torch_tvm_gemm.convert: expected an nn.Module, got {type(model).__name__}"
+        )
+    if not inplace:
+        model = copy.deepcopy(model)
+    summary = ConversionSummary(model=type(model).__name__)
+    seen: dict[int, str] = {}
+    for fqn, module in model.named_modules():
+        kind = _kind(module)
+        if kind is not None and id(module) not in seen:
+            seen[id(module)] = fqn
+            summary.kinds[fqn] = kind
+
+    def allowed(fqn: str) -> bool:
+        if linear_filter is None or fqn not in summary.kinds:
+            return True
+        return _call_filter(linear_filter, model.get_submodule(fqn), fqn)
+
+    records: dict[str, str] = {}
+    _convert_region(model, "", allowed, summary, records)
+    # Module-level swap everywhere (inside regions too: a call their trace does not cover
+    # runs the module's own forward, on these).
+    records.update(
+        {
+            fqn: what
+            for fqn, what in swap_linear_layers(model, linear_filter, False).items()
+            if fqn not in records or what.startswith("left")
+        }
+    )
+    for fqn, kind in summary.kinds.items():
+        what = records.get(fqn)
+        if what is None and isinstance(model.get_submodule(fqn), (TVMLinear, TVMConv1D)):
+            what = "swapped (already a TVM module)"
+        if what is None:
+            what = _why_untouched(fqn, kind, summary)
+        summary.layers[fqn] = what
+    model.conversion_summary = summary
+    log.info(summary.line())
+    return model
+
+
+def _call_filter(filter_fn, module: nn.Module, fqn: str) -> bool:
+    try:
+        return bool(filter_fn(module, fqn))
+    except Exception as err:
+        raise RuntimeError(
+            f"torch_tvm_gemm.convert: linear_filter raised on {fqn!r} ({type(err).__name__}: {err})"
+        ) from err
+
+
+def _why_untouched(fqn: str, kind: str, summary: ConversionSummary) -> str:
+    if kind != "conv2d":
+        return "left alone: not reached"
+    inside = [r for r in summary.untraced if r == "" or fqn.startswith(r + ".")]
+    parent = fqn.rpartition(".")[0]
+    if parent in summary.untraced:
+        return (
+            f"left alone: called from untraceable {parent or '<top>'} (no fusion outside a trace)"
+        )
+    if inside:
+        return "left alone: not called from a traced graph (no fusion outside a trace)"
+    return "left alone: not called by the traced graph"
+
+
+__all__ = ["ConversionSummary", "convert"]
