@@ -5,7 +5,7 @@
 Workloads: ``torch_tvm_gemm.tools.cuda_cases.BENCH_CASES`` (bf16/fp16 GEMM at 512^3, 4096^3,
 8192^3; linear + bias + relu at M = N = K = 4096) and ``CONV_BENCH_CASES`` (conv2d + bias +
 relu on ResNet-50 layers, batch 32, channels_last, vs F.relu(F.conv2d) on cuDNN), the kernels
-of ``compile --preset bench``. Targets (issue 4, H200, mma.sync): GEMM 4096^3 / 8192^3 >= 0.8x
+of ``compile --preset bench``. Aims (H200, mma.sync): GEMM 4096^3 / 8192^3 >= 0.8x
 torch.matmul, 512^3 >= 0.7x, linear + bias + relu >= 1.0x F.linear + relu; conv: none yet
 (reported only).
 """

@@ -5,7 +5,7 @@
 #
 # 1. Here (build machine: apache-tvm, nvcc, registry access, no GPU needed), from the repo root:
 #        bash benchmarks/gpu_check.sh prepare [sm_90]
-#    fills .gpu_carry/ (git-ignored, ~10 MB; the device tool's carry limit is 64 MiB):
+#    fills .gpu_carry/ (git-ignored, ~10 MB, small enough to copy anywhere):
 #        wheels/  apache-tvm-ffi 0.1.14.post1 (cp312) and pytest (+ deps) for Python 3.12
 #        lib/     libtvm_runtime.so and libtvm_runtime_cuda.so copied from the apache-tvm wheel
 #        pack/    the kernels of the GPU tests and the benchmark (GEMM and conv2d), cross-
@@ -15,10 +15,9 @@
 #                 Volta/Turing WMMA schedule, checked on this GPU by a second, short pytest
 #        wgmma/   for sm_90: the first TMA + wgmma kernel (docs/wgmma.md), two variants
 #
-# 2. On the GPU machine (H200 image: Python 3.12, torch 2.11 + CUDA 13, no apache-tvm), through
-#    the device tool, from the repo root; nothing comes from ../shared, only the working tree
-#    and the carried folder:
-#        run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
+# 2. On a machine with an NVIDIA GPU (e.g. Python 3.12, torch with CUDA 13, no apache-tvm
+#    needed): copy the working tree and .gpu_carry/ there and, from the repo root, run
+#        bash benchmarks/gpu_check.sh
 #    It installs the carried wheels, runs tests/test_cuda_ops.py (kernels from the pack only:
 #    TVM_GEMM_NO_COMPILE=1), the fp16 cases again on the forced WMMA schedule, and
 #    benchmarks/gpu_bench.py, and prints one table. Budget: tests < 4 min, WMMA check

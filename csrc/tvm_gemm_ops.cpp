@@ -1,7 +1,7 @@
 // C++ implementations of the tvm_gemm ops: the per-call hot path.
 //
-// The schemas, fake kernels and autograd formulas live in torch_tvm_gemm/ops.py; so does the
-// Python implementation that this file mirrors (_matmul_impl, _linear_impl, gemm). What moves
+// The schemas, fake kernels and autograd formulas live in torch_tvm_gemm/ops/; so does the
+// Python implementation that this file mirrors (ops/gemm_ops.py: _matmul_impl, _linear_impl, gemm). What moves
 // here is only what runs on every call: validation, the kernel-table lookup, the output
 // allocation and the call into the TVM function. Python still decides *which* kernel to use
 // and builds or loads it: on a table miss we call back once into Python through the tvm-ffi
@@ -11,7 +11,7 @@
 // dispatcher boxes the arguments and enters the interpreter), more than the whole 16x16 GEMM.
 //
 // Registration is dynamic (a torch::Library object created by register_impls() and destroyed
-// by unregister_impls()) rather than a static TORCH_LIBRARY_IMPL block, so that ops.py can
+// by unregister_impls()) rather than a static TORCH_LIBRARY_IMPL block, so that ops/impls.py can
 // switch one process between this path and the Python one (tests and the overhead benchmark
 // compare both; TVM_GEMM_PYTHON_IMPL=1 selects Python at import). A static block would
 // register the moment the library is loaded and could not be taken back.
@@ -46,9 +46,9 @@ namespace tvm_gemm {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Configuration handed over by ops.py at registration, so that the constants have one home
+// Configuration handed over by ops/impls.py at registration, so that the constants have one home
 // (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS and DOT_MAX_M, kernels/gemm.py ACTIVATIONS,
-// ops.py SUPPORTED_DTYPES).
+// ops/checks.py SUPPORTED_DTYPES).
 
 struct DtypeInfo {
   at::ScalarType scalar;
@@ -57,7 +57,7 @@ struct DtypeInfo {
 };
 
 // Every dtype this file knows how to describe to TVM. Which of them are *accepted* is decided
-// by the list ops.py passes in (SUPPORTED_DTYPES); a name missing here fails registration.
+// by the list ops/impls.py passes in (SUPPORTED_DTYPES); a name missing here fails registration.
 constexpr std::array<DtypeInfo, 4> kKnownDtypes{{
     {at::kFloat, "float32", DLDataType{kDLFloat, 32, 1}},
     {at::kDouble, "float64", DLDataType{kDLFloat, 64, 1}},
@@ -92,7 +92,7 @@ int find_activation(c10::string_view act) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Validation. These predicates accept exactly what ops.check_matmul / check_linear accept.
+// Validation. These predicates accept exactly what ops/checks.py check_matmul / check_linear accept.
 // They only say yes or no: on "no" we call the Python check itself, which raises the error
 // (same type, same text as the Python path, with nothing to keep in sync but the predicate).
 
@@ -133,7 +133,7 @@ template <typename... Args>
     py::gil_scoped_acquire gil;
     // Throws py::error_already_set carrying the Python exception; torch's Python binding
     // restores it, so the caller sees the TypeError / ValueError / RuntimeError of the check.
-    py::module_::import("torch_tvm_gemm.ops").attr(check)(std::forward<Args>(args)...);
+    py::module_::import("torch_tvm_gemm.ops.checks").attr(check)(std::forward<Args>(args)...);
   }
   TORCH_CHECK(false, "tvm_gemm: internal error: the C++ validation rejected an input that ops.",
               check, " accepts; please report this");
@@ -233,7 +233,7 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
     // only if it is gone, a torch error carrying its class name and text.
     {
       py::gil_scoped_acquire gil;
-      py::module_::import("torch_tvm_gemm.ops").attr("_reraise_kernel_error")();
+      py::module_::import("torch_tvm_gemm.ops.impls").attr("reraise_kernel_error")();
     }
     rethrow_ffi_error(err, "building or loading the kernel failed");
   }
@@ -438,7 +438,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
 // ---------------------------------------------------------------------------------------------
 // The autograd fast path.
 //
-// ops.py registers the autograd formulas with torch.library.register_autograd: a *Python*
+// ops/gemm_ops.py registers the autograd formulas (func_autograd.py): a *Python*
 // kernel on the Autograd key that every call passes through, grad or not (~5 us, more than the
 // rest of the call). We put a C++ kernel in front of it on AutogradCPU: when no
 // gradient is needed it does what that Python kernel's no-grad branch does (redispatch below
@@ -508,7 +508,7 @@ void register_autograd_fast_path(c10::DispatchKey autograd_key) {
   autograd_registrations().push_back(std::move(lib));
 }
 
-// The dispatch keys this library registers; ops.py registers the Python impls for the others.
+// The dispatch keys this library registers; ops/impls.py registers the Python impls for the others.
 // CUDA stays on the Python path: ops.gemm's CUDA branch (static K, 16-byte aligned operands,
 // an sm_70 check, the caller's current device and stream) has no C++ twin yet, and no GPU here
 // to test one on.

@@ -372,7 +372,7 @@ def test_tf32_is_its_own_kernel(monkeypatch):
 
 
 def test_allow_tf32_flag_picks_the_kernel():
-    """ops.gemm reads torch.backends.cuda.matmul.allow_tf32 at every call (here through the
+    """gemm_ops.gemm reads torch.backends.cuda.matmul.allow_tf32 at every call (here through the
     recorder that pretends to be on an sm_80+ GPU)."""
     from torch_tvm_gemm.tools.cuda_cases import TF32_CASES, record_specs
 
@@ -598,29 +598,29 @@ def test_conv_cuda_impl_host_logic_on_cpu(monkeypatch, channels_last):
     import torch.nn.functional as F
     import tvm
 
-    from torch_tvm_gemm import ops
     from torch_tvm_gemm.kernels.conv2d_cuda import conv2d_gemm_compute
+    from torch_tvm_gemm.ops import conv_ops
 
     def cpu_kernel(spec):
         assert spec.device == "cuda" and spec.groups == 1
         func = conv2d_gemm_compute(spec, 32, 16, 16, granule=1)  # padded, as on the GPU
         return tvm.compile(tvm.IRModule({"main": func}), target={"kind": "llvm"})["main"]
 
-    monkeypatch.setattr(ops, "get_kernel", cpu_kernel)
-    monkeypatch.setattr(ops, "_check_cuda_arch", lambda x: None)
+    monkeypatch.setattr(conv_ops, "get_kernel", cpu_kernel)
+    monkeypatch.setattr(conv_ops, "check_cuda_arch", lambda x: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(
-        ops, "_cuda_channels_last", lambda x: channels_last and not x.is_contiguous()
+        conv_ops, "_cuda_channels_last", lambda x: channels_last and not x.is_contiguous()
     )
     x, w, b = torch.randn(3, 6, 11, 9), torch.randn(10, 6, 3, 3), torch.randn(10)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     for bias, stride, padding in ((b, 1, 1), (None, (2, 1), (0, 2))):
-        y = ops._conv2d_cuda_impl(x, w, bias, stride, padding, 1, 1, True)
+        y = conv_ops._conv2d_cuda_impl(x, w, bias, stride, padding, 1, 1, True)
         expected = F.relu(F.conv2d(x, w, bias, stride, padding))
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
         assert y.is_contiguous(memory_format=torch.channels_last) == channels_last
     with pytest.raises(NotImplementedError, match="argument 'groups' must be 1 on CUDA"):
-        ops._conv2d_cuda_impl(x, torch.randn(10, 3, 3, 3), None, 1, 1, 1, 2, True)
-    empty = ops._conv2d_cuda_impl(x[:0], w, b, 1, 1, 1, 1, True)
+        conv_ops._conv2d_cuda_impl(x, torch.randn(10, 3, 3, 3), None, 1, 1, 1, 2, True)
+    empty = conv_ops._conv2d_cuda_impl(x[:0], w, b, 1, 1, 1, 1, True)
     assert empty.shape == (0, 10, 11, 9)

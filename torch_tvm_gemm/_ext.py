@@ -1,7 +1,7 @@
 """Soft loading of the C++ extension ``torch_tvm_gemm._C`` (csrc/tvm_gemm_ops.cpp).
 
 The extension holds the ops' per-call hot path. Without it (not built, or built against
-another torch) the package still works through the Python impls in ops.py, and says so once,
+another torch) the package still works through the Python impls in ops/, and says so once,
 on one line. ``TVM_GEMM_PYTHON_IMPL=1`` selects the Python impls even when it is present.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ class CpuInfo:
     arch: str  # platform.machine(): x86_64, aarch64, ...
     model: str  # "model name" from /proc/cpuinfo, or "" where there is none
     features: frozenset[str]
+    l2_bytes: int = 1 << 20  # one core's L2 cache (sysfs), for the GEMM's panel width
 
     @property
     def vector_bytes(self) -> int:
@@ -54,7 +56,24 @@ def host_cpu() -> CpuInfo:
                     flags = set(value.split())
     except OSError:  # not Linux: fall back to the architecture alone
         pass
-    return CpuInfo(platform.machine(), model, frozenset(flags))
+    return CpuInfo(platform.machine(), model, frozenset(flags), _l2_bytes())
+
+
+def _l2_bytes() -> int:
+    """The L2 cache of CPU 0 from sysfs ("2048K"), or 1 MiB where it cannot be read."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(f"{base}/{index}/level") as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(f"{base}/{index}/size") as f:
+                size = f.read().strip().upper()
+            units = {"K": 1 << 10, "M": 1 << 20}
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError):
+        pass
+    return 1 << 20
 
 
 def cuda_arch(device_index: int | None = None) -> str:

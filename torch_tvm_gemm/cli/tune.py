@@ -46,13 +46,12 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def op_spec(op: str, n: int, k: int, m: int, args) -> tuple[GemmSpec, int | None]:
-    """The kernel spec ``ops.py`` builds for this op and shape, and K when symbolic."""
-    from torch_tvm_gemm.schedules.cpu import gemm_variant
+    """The kernel the op asks for at this shape (``ops.gemm_spec``), and K when symbolic."""
+    from torch_tvm_gemm.ops import gemm_spec
 
-    if op == "matmul":  # ops.matmul compiles one kernel for every K
-        return GemmSpec(args.dtype, n, None, "kn", variant=gemm_variant(m, n, k)), k
-    variant = gemm_variant(m, n, k, "nk")
-    spec = GemmSpec(args.dtype, n, k, "nk", args.bias, args.activation, variant=variant)
+    if op == "matmul":  # matmul compiles one kernel for every K
+        return gemm_spec(args.dtype, m, n, k, "kn", static_k=False), k
+    spec = gemm_spec(args.dtype, m, n, k, "nk", bias=args.bias, activation=args.activation)
     return spec, None
 
 

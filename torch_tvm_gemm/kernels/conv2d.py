@@ -18,7 +18,7 @@ Two variants of the math, chosen by the schedule:
   group (``kb`` divides ``K/groups``, or groups == 1). The packing is not in the kernel
   (there, packing a 512x512x3x3 weight cost as much as the convolution itself at batch 1:
   its strided reads conflict in L1); the caller packs with torch at every call (a cached
-  pack would go stale on writes no version counter sees, see ops.py ``_packed_weight``).
+  pack would go stale on writes no version counter sees, see ops/conv_ops.py ``_packed_weight``).
 * "direct" (``k_block`` None): one output channel at a time, any groups (e.g. depthwise).
 """
 
@@ -53,7 +53,7 @@ class Conv2dSpec:
     family = "conv2d"
 
     def __post_init__(self) -> None:
-        # Internal invariants: user input is validated in ops.py before a spec is made.
+        # Internal invariants: user input is validated in ops/checks.py before a spec is made.
         if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
             raise ValueError(f"bad Conv2dSpec {self}")
         if self.out_h < 1 or self.out_w < 1:
@@ -181,7 +181,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         if spec.groups > 1 and kg % kb:
             raise ValueError(f"k_block {kb} must divide K/groups = {kg}")
         blocks_per_group = kg // kb if spec.groups > 1 else 1
-        # Packed by the caller (ops.py, at every call, see ``pack_weight``).
+        # Packed by the caller (ops/conv_ops.py, at every call, see ``pack_weight``).
         w_pack = te.placeholder((kp // kb, cg, spec.r, spec.s, kb), acc, name="w_packed")
         weight = w_pack
 

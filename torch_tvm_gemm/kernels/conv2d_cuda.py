@@ -16,7 +16,7 @@ buffer exists in global memory: the schedule makes "A_pad" the global -> shared 
 The stages are named and shaped as ``kernels/gemm.gemm_compute``'s for a GEMM with an
 "nk" B ("A_pad", "B_pad", "acc", "out"), so the GEMM schedules of ``schedules/cuda.py``
 apply unchanged (``schedules/cuda_conv2d.py``). The output is the ``(M, K)`` matrix, i.e.
-NHWC; ``ops.py`` gives it back as an NCHW tensor.
+NHWC; ``ops/conv_ops.py`` gives it back as an NCHW tensor.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def conv2d_gemm_compute(
 
     # M is a variable of its own (the rows of "out"), not N * OH * OW: TVM 0.27's analyzer
     # cannot prove N * OH * OW <= ceil(N * OH * OW / m_pad) * m_pad, and the schedule then
-    # refuses to compute_at (region cover). ops.py passes M = N * OH * OW; the image index
+    # refuses to compute_at (region cover). ops/conv_ops.py passes M = N * OH * OW; the image index
     # is clamped to N - 1 all the same, so that no other M reads outside ``x``.
     n = tirx.Var("N", "int64")
     M = tirx.Var("M", "int64")

@@ -51,7 +51,7 @@ class GemmSpec:
     device: str = "cpu"
     bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)
     # CUDA fp32 only: multiply on tensor cores with TF32 inputs (10-bit mantissa, fp32 sums),
-    # chosen per call by torch.backends.cuda.matmul.allow_tf32 (see ops.py).
+    # chosen per call by torch.backends.cuda.matmul.allow_tf32 (see ops/gemm_ops.py).
     tf32: bool = False
     # CPU matmul of 3-D @ 3-D: A (batch, M, K), B (batch, K, N) or (batch, N, K), out (batch,
     # M, N), the batch symbolic and a parallel axis (no bias, no activation).
@@ -60,7 +60,7 @@ class GemmSpec:
     family = "gemm"
 
     def __post_init__(self) -> None:
-        # Internal invariants: user input is validated in ops.py before a spec is made.
+        # Internal invariants: user input is validated in ops/checks.py before a spec is made.
         if self.dtype not in DTYPES or self.activation not in ACTIVATIONS:
             raise ValueError(f"bad GemmSpec {self}")
         if self.b_layout not in ("kn", "nk") or self.bias_axis not in ("n", "m"):

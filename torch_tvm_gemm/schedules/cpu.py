@@ -23,8 +23,8 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 5  # bump when a schedule changes the binary: it is part of the cache key
-# ops.py (and csrc/, given these two numbers) picks the "gemv" variant for M at or below
+SCHEDULE_VERSION = 6  # bump when a schedule changes the binary: it is part of the cache key
+# ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
 # FMA chains in flight (16x16x16: 0.66 us per kernel call against 1.7 us for the gemv).
@@ -47,9 +47,16 @@ def gemm_variant(m: int, n: int, k: int, b_layout: str = "kn", device: str = "cp
 
 def _tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     """(MR, NR, VEC): the register tile for the accumulation dtype on this CPU."""
-    vec = cpu.vector_bytes // (8 if spec.acc_dtype == "float64" else 4)
+    acc_bytes = 8 if spec.acc_dtype == "float64" else 4
+    vec = cpu.vector_bytes // acc_bytes
     # Accumulators + B vectors + one broadcast must fit the register file.
     if cpu.vector_registers >= 32:
+        # A packed panel of B (K x NR) is streamed once per MR rows of A, so it must stay in
+        # the core's L2. Past half of it the tile turns to 12 x 2 vectors: the same 24
+        # accumulators, panels half as wide (12 broadcasts per 2 vector loads). Measured:
+        # K = 11008 on a 2 MB L2, 64-wide panels of 2.8 MB ran at 0.34-0.39x torch from M = 64.
+        if spec.k is not None and spec.k * 4 * vec * acc_bytes > cpu.l2_bytes // 2:
+            return 12, 2 * vec, vec
         return 6, 4 * vec, vec  # 24 accumulators, 4 B loads, 1 broadcast
     return 6, 2 * vec, vec  # 12 + 2 + 1 of 16
 

@@ -2,7 +2,7 @@
 
 "blocked" (groups == 1, or each group a whole number of channel blocks): a direct
 convolution, no im2col. A block of ``kb = nvec * VEC`` output channels is computed together:
-the weight comes packed (by ops.py, cached per weight) so that, for one (c, r, s), those ``kb`` weights are ``nvec``
+the weight comes packed (by ops/conv_ops.py, at every call) so that, for one (c, r, s), those ``kb`` weights are ``nvec``
 contiguous vectors, and a tile of ``wt`` output positions along the width keeps
 ``wt * nvec`` accumulator vectors in registers for the whole (c, r, s) reduction. Per step:
 ``nvec`` vector loads of weights, ``wt`` broadcasts of input values (an AVX-512 FMA takes the
@@ -36,7 +36,7 @@ POINTWISE_GEMM_MIN_P = 1024
 
 
 def pointwise_as_gemm(spec: Conv2dSpec) -> bool:
-    """Whether ops.py runs ``spec`` through the GEMM kernel (per image) instead."""
+    """Whether ops/conv_ops.py runs ``spec`` through the GEMM kernel (per image) instead."""
     return (
         spec.r == spec.s == 1
         and spec.stride == (1, 1)

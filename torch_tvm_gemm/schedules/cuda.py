@@ -28,7 +28,7 @@ from . import cuda_intrin, cuda_intrin_tf32, cuda_intrin_wmma
 
 SCHEDULE_VERSION = 3  # part of the cache key: bump when a schedule changes the binary
 # (2: nvcc -maxrregcount=255, WMMA and TF32 schedules)
-MIN_ARCH = 70  # below Volta: no kernels (ops.py raises a clear error)
+MIN_ARCH = 70  # below Volta: no kernels (ops/checks.py raises a clear error)
 MMA_MIN_ARCH = 80  # ldmatrix + mma.sync m16n8k16 with bf16, cp.async
 
 
@@ -322,7 +322,7 @@ def load_vector(spec: GemmSpec) -> int:
 
 
 def _int32_indices(func):
-    """The math with int32 indices (GPU kernels index in 32 bits; ops.py checks sizes).
+    """The math with int32 indices (GPU kernels index in 32 bits; ops/checks.py checks sizes).
 
     Besides being cheaper, TVM's warp-memory lowering only recognises int32 lane indices:
     with int64 ones the fragments stay whole-warp arrays (1024 halves per thread).

@@ -8,7 +8,7 @@ global -> shared copy of "A_pad" is here the im2col gather from the NHWC input (
 image border); fp32 / fp64 (and fp16 / bf16 below sm_80) get the SIMT schedule. Bias and
 ReLU are applied in the store stage, once per output.
 
-groups must be 1 (ops.py raises a clear error otherwise).
+groups must be 1 (ops/conv_ops.py raises a clear error otherwise).
 """
 
 from __future__ import annotations

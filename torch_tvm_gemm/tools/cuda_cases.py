@@ -179,9 +179,10 @@ BENCH_CASES = [
 
 @contextlib.contextmanager
 def _recording(found: list, tf32: bool = False):
-    """Route ops.gemm's kernel lookups to a recorder that pretends to be on CUDA (an sm_80+
+    """Route ops/gemm_ops.py's kernel lookups to a recorder that pretends to be on CUDA (an sm_80+
     GPU, with TF32 allowed for fp32 products if ``tf32``)."""
     from .. import ops
+    from ..ops import gemm_ops
 
     def fake_kernel(*args):
         return None
@@ -190,15 +191,19 @@ def _recording(found: list, tf32: bool = False):
         found.append(spec)
         return fake_kernel
 
-    saved = ops.get_kernel, ops._device_name, ops._use_tf32
-    # The patches act on the Python impls (ops.gemm); the C++ ones would bypass them, and keep
+    saved = gemm_ops.get_kernel, gemm_ops.device_name, gemm_ops.use_tf32
+    # The patches act on the Python impls (gemm_ops.gemm); the C++ ones would bypass them, and keep
     # the fake kernel in their table.
     path = ops.use_impl("python")
-    ops.get_kernel, ops._device_name, ops._use_tf32 = record, lambda t: "cuda", lambda t: tf32
+    gemm_ops.get_kernel, gemm_ops.device_name, gemm_ops.use_tf32 = (
+        record,
+        lambda t: "cuda",
+        lambda t: tf32,
+    )
     try:
         yield
     finally:
-        ops.get_kernel, ops._device_name, ops._use_tf32 = saved
+        gemm_ops.get_kernel, gemm_ops.device_name, gemm_ops.use_tf32 = saved
         ops.use_impl(path)
 
 

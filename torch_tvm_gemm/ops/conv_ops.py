@@ -1,0 +1,264 @@
+"""The conv op, ``tvm_gemm::conv2d_bias_relu``: the kernel a call needs
+(``conv2d_spec``), the CPU and CUDA impls, the fake kernel and the autograd formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from ..func_autograd import register_function_autograd
+from ..kernels.conv2d import Conv2dSpec, pack_weight
+from ..runtime.loader import sync_threads
+from ..runtime.table import get_kernel
+from ..schedules.cpu_conv2d import pointwise_as_gemm, weight_block
+from .checks import CONV, DTYPE_NAMES, INT32_MAX, check_conv2d, check_cuda_arch, pair
+from .gemm_ops import aligned, device_name, gemm, sum_tangents
+from .schemas import LIB
+
+_conv_spec = functools.lru_cache(maxsize=4096)(Conv2dSpec)  # one spec object per geometry
+
+
+def conv2d_spec(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    relu: bool,
+    device: str | None = None,
+) -> Conv2dSpec:
+    """The kernel a validated call asks for, on ``device`` (default: x's; ``cuda_cases``
+    asks for the CUDA kernel of meta tensors)."""
+    _, c, h, w = x.shape
+    k, _, r, s = weight.shape
+    return _conv_spec(
+        dtype=DTYPE_NAMES[x.dtype],
+        c=c,
+        k=k,
+        r=r,
+        s=s,
+        h=h,
+        w=w,
+        stride=pair(CONV, "stride", stride, 1),
+        padding=pair(CONV, "padding", padding, 0),
+        dilation=pair(CONV, "dilation", dilation, 1),
+        groups=groups,
+        bias=bias is not None,
+        relu=relu,
+        device=device or device_name(x),
+    )
+
+
+def _conv2d_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:  # (no input channels included: check_conv2d)
+        return out
+    spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu)
+    if pointwise_as_gemm(spec):
+        return _pointwise_conv(x, weight, bias, relu, out)
+    kernel = get_kernel(spec)
+    sync_threads()
+    kb = weight_block(spec)
+    w_arg = weight.contiguous() if kb is None else _packed_weight(weight, kb, spec.acc_dtype)
+    args = [x.contiguous(), w_arg]
+    if bias is not None:
+        args.append(bias.contiguous())
+    kernel(*[aligned(t) for t in args], out)  # out: fresh, hence aligned
+    return out
+
+
+def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, out: Tensor):
+    """A 1x1 conv as one GEMM per image, ``out[n] = relu(W @ x[n] + bias[:, None])`` over
+    the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why)."""
+    n, c = x.shape[:2]
+    k = weight.shape[0]
+    w = weight.reshape(k, c)
+    pixels = x.contiguous().view(n, c, -1)
+    dest = out.view(n, k, -1)
+    for i in range(n):
+        gemm(w, pixels[i], "kn", bias, "relu" if relu else "none", out=dest[i], bias_axis="m")
+    return out
+
+
+def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
+    """``weight`` in the blocked kernels' layout, packed at every call.
+
+    Not cached across calls: no key sees every change of a weight (a write through
+    ``weight.data`` or a numpy view leaves ``_version`` as it was), and checking a cached
+    pack against the weight's content costs a pass over the weight, as packing does. oneDNN
+    reorders the weight of an eager ``F.conv2d`` at every call too.
+    """
+    return pack_weight(weight, kb, getattr(torch, acc_dtype))
+
+
+LIB.impl(CONV, _conv2d_impl, "CPU")
+
+
+# CUDA: an implicit GEMM on tensor cores (kernels/conv2d_cuda.py) over an NHWC input and a
+# (K, R*S*C) weight. The op stays NCHW: a channels_last x (the layout tensor-core convs want)
+# is NHWC already, so it costs no copy and gives a channels_last output, as F.conv2d does;
+# a contiguous x is permuted to NHWC first and the output copied back to contiguous NCHW.
+
+
+def _cuda_channels_last(x: Tensor) -> bool:
+    """Whether the CUDA impl returns a channels_last output for ``x`` (the fake kernel too)."""
+    return (
+        x.is_cuda
+        and x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def _conv2d_cuda_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if groups != 1:
+        raise NotImplementedError(
+            f"tvm_gemm.{CONV}: argument 'groups' must be 1 on CUDA, got {groups} (grouped "
+            "and depthwise convolutions have CPU kernels only; use F.conv2d on the GPU)"
+        )
+    check_cuda_arch(x)
+    n, k, oh, ow = shape
+    if max(x.numel(), math.prod(shape), weight.numel()) > INT32_MAX:
+        raise ValueError(
+            f"tvm_gemm.{CONV}: CUDA kernels index in 32 bits; x {tuple(x.shape)} with weight "
+            f"{tuple(weight.shape)} has a tensor of 2**31 elements or more (split the batch)"
+        )
+    channels_last = _cuda_channels_last(x)
+    # The kernel writes NHWC: ``nhwc`` is its output, ``out`` the same memory as N, K, OH, OW.
+    nhwc = torch.empty((n, oh, ow, k), dtype=x.dtype, device=x.device)
+    out = nhwc.permute(0, 3, 1, 2)
+    if out.numel() != 0:  # (no input channels: no output channels, see check_conv2d)
+        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, device="cuda")
+        kernel = get_kernel(spec)
+        x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
+        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _packed_weight)
+        if bias is not None:
+            args.append(bias.contiguous())
+        with torch.cuda.device(x.device):  # (as in gemm: tvm_ffi uses torch's current stream)
+            kernel(*[aligned(t) for t in args], nhwc.view(n * oh * ow, k))
+    return out if channels_last else out.contiguous()
+
+
+def _weight_krsc(weight: Tensor) -> Tensor:
+    """The CUDA kernels' B operand: ``(K, C, R, S)`` -> ``(K, R*S*C)``, channels fastest."""
+    return weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
+
+
+LIB.impl(CONV, _conv2d_cuda_impl, "CUDA")
+
+
+@torch.library.register_fake("tvm_gemm::conv2d_bias_relu")
+def _conv2d_fake(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    relu: bool = True,
+) -> Tensor:
+    shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if _cuda_channels_last(x):
+        return x.new_empty(shape, memory_format=torch.channels_last)
+    return x.new_empty(shape)
+
+
+_CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True]  # bias ... relu
+
+
+def _conv2d_setup(ctx, inputs, output) -> None:
+    # Trailing arguments equal to their defaults may be left out by the dispatcher.
+    x, weight, bias, stride, padding, dilation, groups, relu = (
+        list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :]
+    )[:8]
+    ctx.geometry = (
+        list(pair(CONV, "stride", stride, 1)),
+        list(pair(CONV, "padding", padding, 0)),
+        list(pair(CONV, "dilation", dilation, 1)),
+        groups,
+    )
+    ctx.bias_sizes = None if bias is None else list(bias.shape)
+    ctx.x_shape, ctx.w_shape = x.shape, weight.shape
+    need_x, need_w = ctx.needs_input_grad[:2]
+    # Only what the backward needs (an inference tensor cannot be saved; torch accepts one
+    # where no gradient needs it): dX needs the weight, dW the input, relu's derivative only
+    # the output (the pre-activation is never kept).
+    ctx.save_for_backward(
+        x if need_w else None, weight if need_x else None, output if relu else None
+    )
+
+
+def _conv2d_backward(ctx, grad: Tensor):
+    x, weight, output = ctx.saved_tensors
+    if output is not None:
+        grad = grad * (output > 0)
+    # An operand whose values no requested gradient reads is passed as a shape only, as
+    # torch.nn.grad.conv2d_input / conv2d_weight do.
+    if x is None:
+        x = grad.new_empty(1).expand(ctx.x_shape)
+    if weight is None:
+        weight = grad.new_empty(1).expand(ctx.w_shape)
+    stride, padding, dilation, groups = ctx.geometry
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight,
+        ctx.bias_sizes,
+        stride,
+        padding,
+        dilation,
+        False,  # transposed
+        [0, 0],  # output_padding
+        groups,
+        [need_x, need_w, need_b and ctx.bias_sizes is not None],
+    )
+    return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _conv2d_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, *_):
+    """Forward-mode: conv(dx, W) + conv(x, dW) + db, masked by the ReLU."""
+    x, weight = inputs[0], inputs[1]
+    stride, padding, dilation, groups = ctx.geometry
+    conv = torch.nn.functional.conv2d
+    parts = []
+    if tangent_x is not None:
+        parts.append(conv(tangent_x, weight, None, stride, padding, dilation, groups))
+    if tangent_w is not None:
+        parts.append(conv(x, tangent_w, None, stride, padding, dilation, groups))
+    if tangent_b is not None:
+        parts.append(tangent_b.view(1, -1, 1, 1).expand_as(output))
+    dz = sum_tangents(parts, output)
+    relu = (list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :])[7]
+    return dz * (output > 0) if relu else dz
+
+
+register_function_autograd("conv2d_bias_relu", _conv2d_backward, _conv2d_setup, _conv2d_jvp)
