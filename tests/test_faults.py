@@ -26,7 +26,7 @@ import torch_tvm_gemm as tg
 from torch_tvm_gemm import config
 from torch_tvm_gemm.__main__ import main
 from torch_tvm_gemm.compiler import build
-from torch_tvm_gemm.kernels.gemm import GemmSpec
+from torch_tvm_gemm.kernels.gemm import GemmSpec, torch_activation
 from torch_tvm_gemm.runtime import build_worker, cache, cache_admin, loader, records, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,18 +108,17 @@ def _special_rows(m: int, k: int, dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("m", [4, 40], ids=["gemv", "gemm"])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("m", [4, 40], ids=["dot", "gemm"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_linear_epilogue_keeps_nan_and_inf(dtype, activation, m):
-    k = n = 64  # a 4096-element weight: M <= 16 takes the gemv kernel
+    k = n = 64  # a 4096-element weight: M <= 32 takes the dot kernel
     x = _special_rows(m, k, dtype)
     w = torch.rand(n, k).add(0.1).to(dtype)  # positive: row 1 sums to +inf, row 2 to -inf
     b = torch.randn(n).to(dtype)
-    act = {"relu": F.relu, "gelu": F.gelu}[activation]
     # The reference in float64: torch's float32 CPU GELU gives NaN for +inf (its vectorized
     # erf), where the formula and its float64 path give +inf.
-    expected = act(F.linear(x.double(), w.double(), b.double()))
+    expected = torch_activation(activation)(F.linear(x.double(), w.double(), b.double()))
     y = tg.linear(x, w, b, activation)
     assert y[0].isnan().all() and y[1].isposinf().all()
     assert (y[2] == 0).all() if activation == "relu" else y[2].isnan().all()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest import DTYPES, assert_close, randn
 
 import torch_tvm_gemm as tg
+from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
 
 REF_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}
 
@@ -26,6 +27,18 @@ def test_linear(m, k, n, act, has_bias, dtype):
     out = tg.linear(x, w, b, act)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, reference(x, w, b, act), k)
+
+
+@pytest.mark.parametrize("m", [4, 40], ids=["dot", "gemm"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_epilogue_accuracy_over_a_wide_range(act, m):
+    """The epilogue alone (x @ I = x exactly) over [-20, 20], against torch in float64: the
+    CPU's float32 erf / exp are polynomials (vectorizable), accurate to ~1e-7."""
+    k = 64
+    x = torch.linspace(-20, 20, m * k).reshape(m, k)
+    out = tg.linear(x, torch.eye(k), None, act)
+    expected = torch_activation(act)(x.double()).float()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=2e-6)
 
 
 def test_activation_applied_once_to_the_final_sum():

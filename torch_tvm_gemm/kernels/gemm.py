@@ -108,9 +108,9 @@ class GemmSpec:
         return f"gemm_{self.variant}_{self.dtype}{tf32}_{self.b_layout}_n{self.n}_k{k}{epi}"
 
 
-def apply_activation(x, activation: str, dtype: str):
+def apply_activation(x, activation: str, dtype: str, device: str = "cpu"):
     """The activation on a TE/TIR expression, applied once to the final sum (NaN and inf
-    as in torch: ``kernels/epilogue.py``)."""
+    as in torch; vectorizable polynomial forms on the CPU: ``kernels/epilogue.py``)."""
     from . import epilogue
 
     if activation == "none":
@@ -118,11 +118,11 @@ def apply_activation(x, activation: str, dtype: str):
     if activation == "relu":
         return epilogue.relu(x, dtype)
     if activation == "gelu":  # exact erf form, as torch.nn.functional.gelu
-        return epilogue.gelu(x, dtype)
+        return epilogue.gelu(x, dtype, device)
     if activation == "gelu_tanh":  # F.gelu(x, approximate="tanh"), GPT-2's "gelu_new"
-        return epilogue.gelu_tanh(x, dtype)
+        return epilogue.gelu_tanh(x, dtype, device)
     if activation == "silu":  # F.silu: x * sigmoid(x)
-        return epilogue.silu(x, dtype)
+        return epilogue.silu(x, dtype, device)
     raise ValueError(f"unknown activation {activation!r}")
 
 
@@ -214,7 +214,9 @@ def gemm_compute(
 
     out = te.compute(
         (M, N),
-        lambda i, j: apply_activation(final(i, j), spec.activation, acc).astype(spec.dtype),
+        lambda i, j: apply_activation(final(i, j), spec.activation, acc, spec.device).astype(
+            spec.dtype
+        ),
         name="out",
     )
     args = [A, B] + ([bias] if spec.bias else []) + [out]
