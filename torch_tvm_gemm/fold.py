@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .fusion import _OP, _conv_padding
+from .fusion import CONV_OP, conv_padding
 
 
 def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
@@ -34,7 +34,7 @@ class TVMConv2dBN(nn.Module):
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> None:
         super().__init__()
-        padding = _conv_padding(conv)
+        padding = conv_padding(conv)
         if padding is None:
             raise ValueError(
                 f"TVMConv2dBN: padding={conv.padding!r}, padding_mode={conv.padding_mode!r} "
@@ -75,7 +75,7 @@ class TVMConv2dBN(nn.Module):
             return F.relu(y) if self.relu else y
         weight, bias = self._weights()
         unbatched = x.dim() == 3
-        y = _OP(
+        y = CONV_OP(
             x.unsqueeze(0) if unbatched else x,
             weight,
             bias,

@@ -33,10 +33,10 @@ from torch import Tensor, fx, nn
 
 log = logging.getLogger("torch_tvm_gemm")
 
-_OP = torch.ops.tvm_gemm.conv2d_bias_relu
+CONV_OP = torch.ops.tvm_gemm.conv2d_bias_relu
 
 
-def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
+def conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
     """The conv's padding as two ints, or None where the op cannot express it."""
     if conv.padding_mode != "zeros":
         return None
@@ -62,7 +62,7 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         self._op_padding = self._checked_padding()
 
     def _checked_padding(self) -> tuple[int, int]:
-        padding = _conv_padding(self)
+        padding = conv_padding(self)
         if padding is None:
             raise ValueError(
                 f"TVMConv2dBiasReLU: padding={self.padding!r}, padding_mode="
@@ -96,7 +96,7 @@ class TVMConv2dBiasReLU(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         unbatched = x.dim() == 3  # as nn.Conv2d: (C, H, W) is one image
-        y = _OP(
+        y = CONV_OP(
             x.unsqueeze(0) if unbatched else x,
             self.weight,
             self.bias,
@@ -226,7 +226,7 @@ def _match_conv(g: _Graph, node: fx.Node) -> _Conv | str | None:
     """The conv at ``node``; a reason string if it is a conv we cannot fuse; else None."""
     conv = g.module(node, nn.Conv2d)
     if conv is not None:
-        padding = _conv_padding(conv)
+        padding = conv_padding(conv)
         if padding is None:
             return f"{node.name}: padding {conv.padding!r} / mode {conv.padding_mode!r}"
         if conv.weight.device.type != "cpu" or len(node.args) != 1 or node.kwargs:
@@ -417,7 +417,7 @@ def _fuse_with_bias(g, conv: _Conv, last, dead, bias_node, what: str) -> str:
             weight = graph.get_attr(f"{conv.node.target}.weight")
         bias = bias_node if bias_node is not None else conv.bias
         fused = graph.call_function(
-            _OP,
+            CONV_OP,
             (conv.x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, True),
         )
     _replace(g, last, fused, dead)

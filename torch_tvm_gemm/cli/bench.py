@@ -53,7 +53,7 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _pair(tvm_fn, torch_fn, repeats: int) -> tuple[float, float]:
+def time_alternating(tvm_fn, torch_fn, repeats: int) -> tuple[float, float]:
     """Median times of both, measured in alternating rounds."""
     t_tvm, t_torch = [], []
     for _ in range(3):
@@ -87,7 +87,7 @@ def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict
     first_call = time.perf_counter() - start
     flops = 2.0 * m * n * k
     reps = repeats or max(10, min(200, int(2e10 / flops)))
-    t_tvm, t_torch = _pair(tvm_fn, torch_fn, reps)
+    t_tvm, t_torch = time_alternating(tvm_fn, torch_fn, reps)
     return {
         "op": op,
         "dtype": dtype_name,

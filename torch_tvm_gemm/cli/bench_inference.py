@@ -15,7 +15,7 @@ import math
 import tempfile
 import time
 
-from .bench import _pair
+from .bench import time_alternating
 
 SWEEP_M = [1, 2, 8, 17, 32, 64, 128, 256, 512, 2048]
 # (N, K) of each model's linear layers: attention projections, MLP up, MLP down.
@@ -120,7 +120,7 @@ def _timed(op, m, n, k, batch, tvm_fn, torch_fn, repeats) -> dict:
     tvm_fn()  # build or load the kernel
     flops = 2.0 * batch * m * n * k
     reps = repeats or max(5, min(200, int(5e9 / flops)))
-    t_tvm, t_torch = _pair(tvm_fn, torch_fn, reps)
+    t_tvm, t_torch = time_alternating(tvm_fn, torch_fn, reps)
     return {
         "op": op,
         "batch": batch,

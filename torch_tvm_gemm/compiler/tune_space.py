@@ -31,9 +31,9 @@ ROW_BLOCK_CHOICES = (2, 4, 8, 16)  # register tiles per row block in the row-maj
 
 
 def _tile(spec: GemmSpec) -> tuple[int, int]:
-    from ..schedules.cpu import _tile
+    from ..schedules.cpu import register_tile
 
-    _, nr, vec = _tile(spec, host_cpu())
+    _, nr, vec = register_tile(spec, host_cpu())
     return nr, vec
 
 

@@ -45,7 +45,7 @@ def gemm_variant(m: int, n: int, k: int, b_layout: str = "kn", device: str = "cp
     return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
 
 
-def _tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
+def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     """(MR, NR, VEC): the register tile for the accumulation dtype on this CPU."""
     acc_bytes = 8 if spec.acc_dtype == "float64" else 4
     vec = cpu.vector_bytes // acc_bytes
@@ -66,7 +66,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
-    mr, nr, vec = _tile(spec, cpu)
+    mr, nr, vec = register_tile(spec, cpu)
     if spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
         _schedule_packed_batched(sch, spec, mr, nr, vec)

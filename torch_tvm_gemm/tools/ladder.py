@@ -42,7 +42,7 @@ def ladder_spec(n: int, k: int) -> GemmSpec:
     return GemmSpec(dtype="float32", n=n, k=k, b_layout="kn")
 
 
-def _inline_operands(sch) -> None:
+def inline_operands(sch) -> None:
     sch.compute_inline(sch.get_sblock("A_pad"))
     sch.compute_inline(sch.get_sblock("B_pad"))
 
@@ -51,7 +51,7 @@ def naive(spec: GemmSpec):
     from tvm import s_tir
 
     sch = s_tir.Schedule(gemm_compute(spec))
-    _inline_operands(sch)
+    inline_operands(sch)
     return sch.mod
 
 
@@ -59,7 +59,7 @@ def tiled(spec: GemmSpec):
     from tvm import s_tir
 
     sch = s_tir.Schedule(gemm_compute(spec, TILE, TILE))  # padded: tiles need no predicate
-    _inline_operands(sch)
+    inline_operands(sch)
     acc = sch.get_sblock("acc")
     i, j, k = sch.get_loops(acc)
     io, ii = sch.split(i, [None, TILE])
@@ -81,7 +81,7 @@ def _register_tiled(vectorize: bool, parallel: bool) -> Callable[[GemmSpec], Any
     def schedule(spec: GemmSpec):
         from tvm import s_tir
 
-        mr, nr, vec = cpu_schedules._tile(spec, host_cpu())
+        mr, nr, vec = cpu_schedules.register_tile(spec, host_cpu())
         sch = s_tir.Schedule(gemm_compute(spec, mr, nr))
         acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
         sch.compute_inline(sch.get_sblock("A_pad"))

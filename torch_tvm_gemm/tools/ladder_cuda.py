@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..kernels.gemm import GemmSpec, gemm_compute
-from .ladder import _inline_operands
+from .ladder import inline_operands
 
 CUDA_TARGET = {"kind": "cuda", "arch": "sm_80"}
 BK = 16  # k tile staged in shared memory
@@ -34,7 +34,7 @@ def simple(spec: GemmSpec):
     from tvm import s_tir
 
     sch = s_tir.Schedule(gemm_compute(spec))
-    _inline_operands(sch)
+    inline_operands(sch)
     acc = sch.get_sblock("acc")
     i, j, _ = sch.get_loops(acc)
     jo, ji = sch.split(j, [None, 128])
@@ -68,7 +68,7 @@ def tiled(spec: GemmSpec):
     from tvm import s_tir
 
     sch = s_tir.Schedule(gemm_compute(spec, 16, 16))
-    _inline_operands(sch)
+    inline_operands(sch)
     acc, ko, _, _ = _block_tiles(sch, 16, 16, 1, 1)
     sch.decompose_reduction(acc, ko)
     return sch.mod
@@ -136,7 +136,7 @@ def wmma(spec: GemmSpec):
     # Inline the casts into the reduction: sum(f32(A) * f32(B)) is the pattern the rule
     # maps onto fp16 x fp16 -> fp32 fragments.
     sch = s_tir.Schedule(gemm_compute(spec))
-    _inline_operands(sch)
+    inline_operands(sch)
     with tvm.target.Target(CUDA_TARGET):
         return dl.ApplyDefaultSchedule(dl.gpu.Matmul())(IRModule({"main": sch.mod["main"]}))
 
