@@ -15,18 +15,9 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="tvm_gemm_test_cache_")
 os.environ.setdefault("TVM_GEMM_CACHE_DIR", _SESSION_CACHE)
 
 import torch_tvm_gemm  # noqa: E402,F401
+from torch_tvm_gemm.measure import tolerance  # noqa: E402 (the package's one table)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-
-
-def tolerance(dtype: torch.dtype, k: int = 1) -> dict:
-    """One tolerance table: fp32/fp64 near torch's defaults; narrow dtypes scaled with K."""
-    if dtype == torch.float64:
-        return {"rtol": 1e-7, "atol": 1e-7 * max(1, k) ** 0.5}
-    if dtype == torch.float32:
-        return {"rtol": 1.3e-5, "atol": 1e-5 * max(1, k) ** 0.5}
-    eps = 2**-7 if dtype == torch.bfloat16 else 2**-10
-    return {"rtol": 2 * eps, "atol": 2 * eps * max(1, k) ** 0.5}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, k: int = 1) -> None:

@@ -1,8 +1,10 @@
-"""Checking and timing kernels against torch: one place for the tuner and the ladder.
+"""Checking and timing kernels against torch: one place for the tests, the tuner, the
+ladder and the benchmarks.
 
-``time_fn`` is best-of-medians over rounds, ``time_interleaved`` alternates the contenders
-round by round so that a change of machine load hits all alike; ``check_correct`` compares
-a kernel with torch (in float64) on fresh random data.
+``tolerance`` is the one tolerance table; ``check_correct`` compares a kernel with torch (in
+float64) on fresh random data. ``time_fn`` is best-of-medians over rounds; ``time_interleaved``
+and ``time_alternating`` alternate the contenders round by round, so that a change of
+machine load hits all alike.
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ def make_inputs(spec: GemmSpec, m: int, k: int | None = None, seed: int | None =
     return args
 
 
+def tolerance(dtype: torch.dtype, k: int = 1) -> dict:
+    """One tolerance table: fp32/fp64 near torch's defaults; narrow dtypes scaled with K
+    (the reduction depth), as their rounding errors grow with it."""
+    if dtype == torch.float64:
+        return {"rtol": 1e-7, "atol": 1e-7 * max(1, k) ** 0.5}
+    if dtype == torch.float32:
+        return {"rtol": 1.3e-5, "atol": 1e-5 * max(1, k) ** 0.5}
+    eps = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    return {"rtol": 2 * eps, "atol": 2 * eps * max(1, k) ** 0.5}
+
+
 def reference(spec: GemmSpec, args: list):
     """What torch computes for the kernel's inputs (in float64, then cast)."""
     a, b = args[0].double(), args[1].double()
@@ -44,10 +57,8 @@ def check_correct(spec: GemmSpec, fn, m: int, k: int | None = None) -> tuple[boo
         out = torch.empty(rows, spec.n, dtype=args[0].dtype)
         fn(*args, out)
         expected = reference(spec, args)
-        depth = args[0].shape[1]
-        tol = (1e-5 if spec.dtype == "float32" else 2e-2) * max(1, depth) ** 0.5
         err = (out.double() - expected.double()).abs().max().item()
-        if not torch.allclose(out, expected, rtol=1.3e-5, atol=tol):
+        if not torch.allclose(out, expected, **tolerance(out.dtype, args[0].shape[1])):
             return False, f"max |diff| {err:.2e} at M={rows}"
     return True, ""
 
@@ -82,3 +93,23 @@ def time_interleaved(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: i
         for i, fn in enumerate(fns):
             best[i] = min(best[i], time_fn(fn, [*args, out], rounds=1))
     return best
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_alternating(tvm_fn, torch_fn, repeats: int, rounds: int = 3) -> tuple[float, float]:
+    """Seconds per call of two no-argument functions: each round times both (a median of
+    ``repeats`` calls each), the best round of each is kept."""
+    t_tvm, t_torch = [], []
+    for _ in range(rounds):
+        t_tvm.append(_median_time(tvm_fn, repeats))
+        t_torch.append(_median_time(torch_fn, repeats))
+    return min(t_tvm), min(t_torch)

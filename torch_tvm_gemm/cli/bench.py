@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+
+from ..measure import time_alternating
 
 # (op, dtype, M, N, K); a comment gives the ratio against torch the row aims for.
 FULL_ROWS = [
@@ -41,25 +41,6 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=0, help="timed repeats (default: by size)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.set_defaults(func=run)
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def time_alternating(tvm_fn, torch_fn, repeats: int) -> tuple[float, float]:
-    """Median times of both, measured in alternating rounds."""
-    t_tvm, t_torch = [], []
-    for _ in range(3):
-        t_tvm.append(_median_time(tvm_fn, repeats))
-        t_torch.append(_median_time(torch_fn, repeats))
-    return min(t_tvm), min(t_torch)
 
 
 def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict:

@@ -15,7 +15,7 @@ import math
 import tempfile
 import time
 
-from .bench import time_alternating
+from ..measure import time_alternating
 
 SWEEP_M = [1, 2, 8, 17, 32, 64, 128, 256, 512, 2048]
 # (N, K) of each model's linear layers: attention projections, MLP up, MLP down.

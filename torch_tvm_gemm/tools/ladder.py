@@ -151,8 +151,10 @@ def check(out, expected, k: int) -> tuple[bool, float]:
     """fp32 against a float64 reference: the same tolerance as the test suite."""
     import torch
 
+    from ..measure import tolerance
+
     err = (out.double() - expected).abs().max().item()
-    ok = torch.allclose(out.double(), expected, rtol=1.3e-5, atol=1e-5 * max(1, k) ** 0.5)
+    ok = torch.allclose(out.double(), expected, **tolerance(torch.float32, k))
     return ok, err
 
 
