@@ -32,3 +32,20 @@ def test_cli_demo_and_quick_bench(tmp_path):
 
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3 and all(r["ratio"] > 0 for r in rows)
+
+
+def test_cli_bench_inference_smoke(tmp_path):
+    """One M of the sweep, the attention rows and the FMA probe: the command runs and every
+    row has a ratio against torch and a fraction of the measured peak."""
+    import json
+
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path / "inference.json"
+    args = ["bench-inference", "--models", "bert", "--m", "3", "--act", "relu", "--repeats", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["peak_gflops"] > 0
+    ops = {r["op"] for r in result["rows"]}
+    assert {"linear_relu", "bmm_qk", "bmm_pv"} <= ops
+    assert all(r["ratio"] > 0 and 0 < r["tvm_peak_fraction"] for r in result["rows"])
