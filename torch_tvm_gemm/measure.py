@@ -2,15 +2,18 @@
 ladder and the benchmarks.
 
 ``tolerance`` is the one tolerance table; ``check_correct`` compares a kernel with torch (in
-float64) on fresh random data. ``time_fn`` is best-of-medians over rounds; ``time_interleaved``
-and ``time_alternating`` alternate the contenders round by round, so that a change of
-machine load hits all alike.
+float64) on fresh random data. ``time_interleaved`` is the one timer: it alternates the
+contenders round by round, so that a change of machine load hits all alike, each sample a
+median of single calls (``median_call``) or the mean of a block of calls (``mean_call``);
+``time_kernels`` applies it to GEMM kernels on the same inputs. ``keep_freed_memory`` keeps
+the allocator from returning large outputs' memory to the OS between calls.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,53 +66,88 @@ def check_correct(spec: GemmSpec, fn, m: int, k: int | None = None) -> tuple[boo
     return True, ""
 
 
-def time_fn(fn, args: list, rounds: int = 3, min_time_s: float = 0.1, max_reps: int = 30) -> float:
-    """Seconds per call: the best of ``rounds`` medians, after one warm-up call.
-
-    Best-of-medians because these 2 cores are shared: a parallel kernel (torch's or ours)
-    whose second thread loses its core waits a whole scheduler slice, and one such burst
-    can hold a single median at 1% of the real speed (seen: torch.matmul at 2 GFLOPS).
-    """
-    fn(*args)
-    medians = []
-    for _ in range(rounds):
-        times: list[float] = []
-        while len(times) < 3 or (sum(times) < min_time_s and len(times) < max_reps):
-            t0 = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return min(medians)
-
-
-def time_interleaved(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: int = 3) -> list:
-    """Seconds per call of each kernel on the same inputs, timed in interleaved rounds so
-    that a change of machine load (2 shared cores) hits all alike; the best round of each."""
-    sync_threads()  # the kernels are called directly here: size TVM's pool as torch's
-    args = make_inputs(spec, m, k, seed=0)
-    out = torch.empty(m, spec.n, dtype=args[0].dtype)
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            best[i] = min(best[i], time_fn(fn, [*args, out], rounds=1))
-    return best
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_call(
+    fn: Callable[[], object],
+    calls: int = 3,
+    min_time_s: float = 0.0,
+    max_calls: int = 30,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median seconds of single calls of ``fn``, after one untimed call: ``calls`` of them,
+    more (up to ``max_calls``) while they add up to less than ``min_time_s``."""
+    fn()
+    times: list[float] = []
+    while len(times) < calls or (sum(times) < min_time_s and len(times) < max_calls):
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def time_alternating(tvm_fn, torch_fn, repeats: int, rounds: int = 3) -> tuple[float, float]:
-    """Seconds per call of two no-argument functions: each round times both (a median of
-    ``repeats`` calls each), the best round of each is kept."""
-    t_tvm, t_torch = [], []
+def mean_call(
+    fn: Callable[[], object], calls: int, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``, timed as one block: for
+    calls too short to time one by one, and for what a loop of them costs."""
+    start = clock()
+    for _ in range(calls):
+        fn()
+    return (clock() - start) / calls
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], object]],
+    rounds: int = 3,
+    sample: Callable[[Callable[[], object]], float] = median_call,
+    keep: Callable[[list[float]], float] = min,
+    warm_up: bool = True,
+) -> list[float]:
+    """Seconds per call of each no-argument function: after one warm-up call of each (it
+    builds or loads kernels), ``rounds`` rounds that take one ``sample`` of every function
+    in turn, so that a change of machine load (shared cores) hits all alike; then ``keep``
+    of each function's samples: ``min``, its best round (default), or ``statistics.median``.
+
+    The best round by default because these cores are shared: a parallel kernel (torch's or
+    ours) whose second thread loses its core waits a whole scheduler slice, and one such
+    burst can hold a sample at 1% of the real speed (seen: torch.matmul at 2 GFLOPS).
+    """
+    if warm_up:
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        t_tvm.append(_median_time(tvm_fn, repeats))
-        t_torch.append(_median_time(torch_fn, repeats))
-    return min(t_tvm), min(t_torch)
+        for i, fn in enumerate(fns):
+            samples[i].append(sample(fn))
+    return [keep(s) for s in samples]
+
+
+def time_kernels(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: int = 3) -> list:
+    """Seconds per call of each GEMM kernel of ``spec`` on the same inputs (``time_interleaved``,
+    each sample a median of calls over at least 0.1 s)."""
+    sync_threads()  # the kernels are called directly here: size TVM's pool as torch's
+    args = make_inputs(spec, m, k, seed=0)
+    out = torch.empty(m, spec.n, dtype=args[0].dtype)
+    calls = [lambda fn=fn: fn(*args, out) for fn in fns]
+    return time_interleaved(calls, rounds, sample=lambda fn: median_call(fn, min_time_s=0.1))
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed blocks instead of handing them back to the OS.
+
+    By default a freed block of more than ~128 KB-32 MB goes back to the OS and the next
+    call's output is page-faulted in afresh: ~0.3 ms for a 3 MB output, as much as the conv
+    itself, and on one side or the other depending on the allocator's history (seen: torch's
+    56x56 64->256 1x1 conv at 0.35 or 1.9 ms from run to run, ours at 0.28 or 0.66). Both
+    sides allocate their outputs the same way; this times the computations. False where
+    ``mallopt`` is unavailable (not glibc). It lasts for the process.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        big = 1 << 30
+        return bool(libc.mallopt(m_mmap_threshold, big) and libc.mallopt(m_trim_threshold, big))
+    except (OSError, AttributeError):
+        return False

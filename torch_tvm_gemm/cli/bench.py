@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from ..measure import time_alternating
+from ..measure import median_call, time_interleaved
 
 # (op, dtype, M, N, K); a comment gives the ratio against torch the row aims for.
 FULL_ROWS = [
@@ -68,7 +68,9 @@ def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict
     first_call = time.perf_counter() - start
     flops = 2.0 * m * n * k
     reps = repeats or max(10, min(200, int(2e10 / flops)))
-    t_tvm, t_torch = time_alternating(tvm_fn, torch_fn, reps)
+    t_tvm, t_torch = time_interleaved(
+        [tvm_fn, torch_fn], sample=lambda fn: median_call(fn, calls=reps)
+    )
     return {
         "op": op,
         "dtype": dtype_name,

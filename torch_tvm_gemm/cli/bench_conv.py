@@ -9,23 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
-# ResNet-50 bottleneck layers: (C, K, H=W, kernel); 3x3 convs and the 1x1 convs around them.
-RESNET50 = [
-    (64, 64, 56, 3),
-    (256, 64, 56, 1),
-    (64, 256, 56, 1),
-    (128, 128, 28, 3),
-    (512, 128, 28, 1),
-    (128, 512, 28, 1),
-    (256, 256, 14, 3),
-    (1024, 256, 14, 1),
-    (256, 1024, 14, 1),
-    (512, 512, 7, 3),
-    (2048, 512, 7, 1),
-    (512, 2048, 7, 1),
-]
+from ..measure import keep_freed_memory, mean_call, time_interleaved
+from ..tools.workloads import RESNET50_CONVS as RESNET50
 
 
 def register(sub) -> None:
@@ -40,45 +26,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed blocks instead of handing them back to the OS.
-
-    By default a freed block of more than ~128 KB-32 MB goes back to the OS and the next
-    call's output is page-faulted in afresh: ~0.3 ms for a 3 MB output, as much as the conv
-    itself, and on one side or the other depending on the allocator's history (seen: torch's
-    56x56 64->256 1x1 conv at 0.35 or 1.9 ms from run to run, ours at 0.28 or 0.66). Both
-    sides allocate their outputs the same way; this times the convolutions. False where
-    ``mallopt`` is unavailable (not glibc).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        big = 1 << 30
-        return bool(libc.mallopt(m_mmap_threshold, big) and libc.mallopt(m_trim_threshold, big))
-    except (OSError, AttributeError):
-        return False
-
-
-def best_time(fn, reps: int, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best
-
-
 def compare(ours, theirs, reps: int, rounds: int) -> tuple[float, float]:
-    """(our time, their time), alternating rounds so both see the same machine load."""
-    ours(), theirs()  # warm-up: builds / loads kernels, primes caches
-    t_ours, t_theirs = float("inf"), float("inf")
-    for _ in range(rounds):
-        t_ours = min(t_ours, best_time(ours, reps, 1))
-        t_theirs = min(t_theirs, best_time(theirs, reps, 1))
+    """(our time, their time) per call: interleaved rounds of ``reps`` back-to-back calls
+    each, after a warm-up call (kernel builds, loads, caches); the best round of each."""
+    t_ours, t_theirs = time_interleaved(
+        [ours, theirs], rounds, sample=lambda fn: mean_call(fn, reps)
+    )
     return t_ours, t_theirs
 
 

@@ -13,16 +13,12 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-import time
 
-from ..measure import time_alternating
+from ..measure import mean_call, median_call, time_interleaved
+from ..tools.workloads import LINEAR_LAYERS
 
 SWEEP_M = [1, 2, 8, 17, 32, 64, 128, 256, 512, 2048]
-# (N, K) of each model's linear layers: attention projections, MLP up, MLP down.
-SHAPES = {
-    "bert": [(768, 768), (3072, 768), (768, 3072)],
-    "llama": [(4096, 4096), (11008, 4096), (4096, 11008)],
-}
+SHAPES = LINEAR_LAYERS  # (N, K) of each model's linear layers
 ATTENTION_BH = [12, 96]
 ATTENTION_S, ATTENTION_D = 128, 64
 
@@ -77,11 +73,10 @@ def fma_peak_gflops(threads: int) -> float:
         fn = load_kernel_file(path, "fma_probe")  # runs on torch's pool, as the kernels do
         out = torch.ones(threads, chains * vec)
         # ~10 ms a try at AVX-512 peak; the best of several, as a busy machine only slows it.
-        iters, best = 2_000_000 // threads, math.inf
-        for _ in range(10):
-            start = time.perf_counter()
-            fn(out, iters)
-            best = min(best, time.perf_counter() - start)
+        iters = 2_000_000 // threads
+        (best,) = time_interleaved(
+            [lambda: fn(out, iters)], rounds=10, sample=lambda f: mean_call(f, 1), warm_up=False
+        )
     return 2.0 * threads * chains * vec * iters / best / 1e9
 
 
@@ -120,7 +115,9 @@ def _timed(op, m, n, k, batch, tvm_fn, torch_fn, repeats) -> dict:
     tvm_fn()  # build or load the kernel
     flops = 2.0 * batch * m * n * k
     reps = repeats or max(5, min(200, int(5e9 / flops)))
-    t_tvm, t_torch = time_alternating(tvm_fn, torch_fn, reps)
+    t_tvm, t_torch = time_interleaved(
+        [tvm_fn, torch_fn], sample=lambda fn: median_call(fn, calls=reps)
+    )
     return {
         "op": op,
         "batch": batch,

@@ -87,7 +87,8 @@ def run(args) -> int:
 
     import torch_tvm_gemm as tg
 
-    from .bench_conv import compare, keep_freed_memory
+    from ..measure import keep_freed_memory
+    from .bench_conv import compare
 
     try:
         import transformers  # noqa: F401

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..measure import mean_call, time_interleaved
+
 
 @dataclass(frozen=True)
 class Case:
@@ -62,19 +64,32 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-_clock = time.perf_counter
+def _calls_for(fn: Callable[[], object], budget_ms: float, clock: Callable[[], float]) -> int:
+    """How many back-to-back calls of ``fn`` fill a block of ``budget_ms``."""
+    per_call_us = min(mean_call(fn, 3, clock) for _ in range(3)) * 1e6
+    return max(1, min(20_000, int(budget_ms * 1e3 / max(per_call_us, 1e-3))))
 
 
-def _block_us(fn: Callable[[], object], calls: int) -> float:
-    start = _clock()
-    for _ in range(calls):
-        fn()
-    return (_clock() - start) / calls * 1e6
+def _median_us(fns: dict, args, clock, before=None) -> tuple[dict[str, float], dict[str, int]]:
+    """Median microseconds per call of each of ``fns`` (name -> no-argument function) over
+    ``args.repeats`` interleaved blocks of back-to-back calls, each block ~``args.budget_ms``
+    long, and the calls per block; ``before(name)`` runs ahead of each block (and of the
+    count of its calls), untimed."""
+    names = {fn: name for name, fn in fns.items()}
+    before = before or (lambda name: None)
+    calls = {}
+    for name, fn in fns.items():
+        before(name)
+        calls[name] = _calls_for(fn, args.budget_ms, clock)
 
+    def block(fn) -> float:
+        before(names[fn])
+        return mean_call(fn, calls[names[fn]], clock)
 
-def _calls_for(fn: Callable[[], object], budget_ms: float) -> int:
-    per_call = min(_block_us(fn, 3) for _ in range(3))
-    return max(1, min(20_000, int(budget_ms * 1e3 / max(per_call, 1e-3))))
+    seconds = time_interleaved(
+        list(fns.values()), args.repeats, sample=block, keep=statistics.median, warm_up=False
+    )
+    return {name: s * 1e6 for name, s in zip(fns, seconds, strict=True)}, calls
 
 
 def run(args) -> int:
@@ -83,8 +98,7 @@ def run(args) -> int:
 
     from torch_tvm_gemm import _ext, ops
 
-    global _clock
-    _clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     paths = ["cpp"] if _ext.load() is not None else []
@@ -93,6 +107,10 @@ def run(args) -> int:
     if "cpp" not in paths:
         print(f"C++ extension not available ({_ext.load_error}): C++ columns left empty")
     start_path = ops.impl_path()
+
+    def switch_impl(name: str) -> None:
+        if name in ("cpp", "python"):
+            ops.use_impl(name)
 
     def reference(case: Case, tensors):
         if case.op == "matmul":
@@ -120,15 +138,8 @@ def run(args) -> int:
                 ops.use_impl(path)
                 fns[path] = ours(case, tensors)
                 fns[path]()  # build or load the kernel outside the timing
-            calls = {name: _calls_for(fn, args.budget_ms) for name, fn in fns.items()}
-            samples: dict[str, list[float]] = {name: [] for name in fns}
             with torch.no_grad():
-                for _ in range(args.repeats):
-                    for name, fn in fns.items():
-                        if name in ("cpp", "python"):
-                            ops.use_impl(name)
-                        samples[name].append(_block_us(fn, calls[name]))
-            med = {name: statistics.median(v) for name, v in samples.items()}
+                med, calls = _median_us(fns, args, clock, before=switch_impl)
             row = {
                 "case": case.name,
                 "op": case.op,
@@ -152,7 +163,7 @@ def run(args) -> int:
             if row["python_us"] is not None:
                 line += f" {row['python_us']:10.2f} {row['python_ratio']:6.2f}"
             print(line, flush=True)
-        floor = _dispatch_floor(torch, args)
+        floor = _dispatch_floor(torch, args, clock)
         print(
             f"for reference: torch.ops.aten.mm.default 16x16 = {floor['ops_aten_mm_us']:.2f} us, "
             f"{floor['ratio']:.2f}x torch.matmul ({floor['torch_us']:.2f} us): the cost of "
@@ -176,14 +187,10 @@ def run(args) -> int:
     return 0
 
 
-def _dispatch_floor(torch, args) -> dict:
+def _dispatch_floor(torch, args, clock) -> dict:
     """torch's own mm entered through torch.ops, timed like the cases above."""
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     fns = {"torch": lambda: torch.matmul(a, b), "ops": lambda: torch.ops.aten.mm.default(a, b)}
-    calls = {name: _calls_for(fn, args.budget_ms) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(args.repeats):
-        for name, fn in fns.items():
-            samples[name].append(_block_us(fn, calls[name]))
-    t, o = statistics.median(samples["torch"]), statistics.median(samples["ops"])
+    med, _ = _median_us(fns, args, clock)
+    t, o = med["torch"], med["ops"]
     return {"torch_us": t, "ops_aten_mm_us": o, "ratio": o / t}

@@ -42,7 +42,7 @@ from typing import Any
 from filelock import FileLock
 
 from ..kernels.gemm import GemmSpec
-from ..measure import check_correct, time_interleaved
+from ..measure import check_correct, time_kernels
 from ..runtime.cache_trust import PRIVATE_FILE_MODE, make_private_dir
 from ..runtime.records import BEST, tuning_dir
 from .tune_space import apply_trace, hand_space, tuned_compute
@@ -456,7 +456,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
         return TuneResult(spec, m, done, new, None, None, False, failure)
     hand_fn = compile_spec(spec, use_tuned=False)[0]["main"]
     fns = [fn for _, fn in candidates] + [hand_fn]
-    *tuned_s, hand_s = time_interleaved(spec, m, k, fns, rounds=VERDICT_ROUNDS)
+    *tuned_s, hand_s = time_kernels(spec, m, k, fns, rounds=VERDICT_ROUNDS)
     pick = min(range(len(candidates)), key=lambda i: tuned_s[i])
     flops = 2.0 * m * spec.n * spec.problem_k(k)
     tuned_gf, hand_gf = flops / tuned_s[pick] / 1e9, flops / hand_s / 1e9

@@ -158,31 +158,24 @@ def check(out, expected, k: int) -> tuple[bool, float]:
     return ok, err
 
 
-def torch_matmul_timer(a, b, out) -> Callable[[], dict[int, float]]:
-    """A timer of torch.matmul at its own thread count and at one thread: seconds by count.
+def at_threads(fn: Callable[[], float], threads: int | None) -> float:
+    """``fn()`` with torch at ``threads`` threads (None: as it is).
 
-    Why both: on an oversubscribed machine (these 2 cores are shared) torch's OpenMP
-    barrier waits for a descheduled worker thread a whole time slice per call, and a small
-    matmul then runs at ~1% of its speed (seen: 2 GFLOPS at 256^3 with 2 threads, 50+ with
-    one). The reference should be the best torch can do here, not its worst.
+    Why the ladder times torch.matmul at one thread too: on an oversubscribed machine (these
+    2 cores are shared) torch's OpenMP barrier waits for a descheduled worker thread a whole
+    time slice per call, and a small matmul then runs at ~1% of its speed (seen: 2 GFLOPS at
+    256^3 with 2 threads, 50+ with one). The reference should be the best torch can do here.
     """
     import torch
 
-    from ..measure import time_fn
-
-    def seconds() -> dict[int, float]:
-        threads = torch.get_num_threads()
-        by_threads = {}
-        for n in dict.fromkeys((threads, 1)):
-            torch.set_num_threads(n)
-            try:
-                fn = lambda x, y, o: torch.matmul(x, y, out=o)  # noqa: E731
-                by_threads[n] = time_fn(fn, [a, b, out], rounds=1)
-            finally:
-                torch.set_num_threads(threads)
-        return by_threads
-
-    return seconds
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        return fn()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
 
 
 def tuned_kernel(size: int, trials: int, budget_s: float, progress: bool):
@@ -219,9 +212,10 @@ def run_size(
 
     import torch
 
-    from ..measure import time_fn
+    from ..measure import median_call, time_interleaved
     from ..runtime.loader import sync_threads
 
+    threads = torch.get_num_threads()
     sync_threads()  # TVM's pool: as many threads as torch uses
     g = torch.Generator().manual_seed(size)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
@@ -251,14 +245,20 @@ def run_size(
             notes[name] = "WRONG RESULT"
         if best[name] > SLOW_S:
             slow.add(name)
-    torch_timer = torch_matmul_timer(a, b, out)
-    torch_s: dict[int, float] = {}
-    for _ in range(ROUNDS):
-        for n, t in torch_timer().items():
-            torch_s[n] = min(torch_s.get(n, t), t)
-        for name, fn in kernels.items():
-            if name not in slow and notes.get(name) != "WRONG RESULT":
-                best[name] = min(best[name], time_fn(fn, [a, b, out], rounds=1))
+    # torch.matmul at its own thread count and at one (see at_threads), then the kernels.
+    torch_threads = list(dict.fromkeys((threads, 1)))
+    torch_fns = [lambda: torch.matmul(a, b, out=out) for _ in torch_threads]
+    timed = [n for n in kernels if n not in slow and notes.get(n) != "WRONG RESULT"]
+    fns = torch_fns + [lambda fn=kernels[n]: fn(a, b, out) for n in timed]
+    threads_of = dict(zip(torch_fns, torch_threads, strict=True))
+
+    def sample(fn) -> float:
+        return at_threads(lambda: median_call(fn, min_time_s=0.1), threads_of.get(fn))
+
+    seconds = time_interleaved(fns, ROUNDS, sample=sample, warm_up=False)
+    torch_s = dict(zip(torch_threads, seconds, strict=False))
+    for name, t in zip(timed, seconds[len(torch_fns) :], strict=True):
+        best[name] = min(best[name], t)  # (the checking call counts as a sample too)
     flops = 2.0 * size**3
     results = []
     for name in [s.name for s in steps] + ([TUNED_STEP] if TUNED_STEP in notes else []):
