@@ -182,3 +182,39 @@ def test_an_idle_worker_stops_after_the_timeout(tmp_path, fresh_cache, monkeypat
     while build_worker.worker_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not build_worker.worker_pids(), "the idle worker (and its memory) stayed"
+
+
+@pytest.mark.slow  # a tuning worker imports torch and the compiler: seconds
+def test_a_killed_tuning_worker_is_an_exception_naming_the_kernel(fresh_cache):
+    import psutil
+
+    from torch_tvm_gemm.runtime import tune_worker
+
+    spec = GemmSpec("float32", n=40, k=24, b_layout="kn")
+    before = {child.pid for child in psutil.Process().children()}
+    killed = []
+
+    def tuning_worker():
+        for child in psutil.Process().children():
+            try:
+                if child.pid not in before and build_worker.WORKER_MODULE in child.cmdline()[-1]:
+                    return child
+            except (psutil.Error, IndexError):  # gone meanwhile
+                pass
+        return None
+
+    def kill_the_tuning_worker():
+        deadline = time.monotonic() + 120
+        while (worker := tuning_worker()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # importing torch and the compiler, or tuning
+        worker.kill()
+        killed.append(worker.pid)
+
+    killer = threading.Thread(target=kill_the_tuning_worker)
+    killer.start()
+    with pytest.raises(KernelBuildError, match="tuning kernel .* died .*SIGKILL") as info:
+        tune_worker.tune(spec, 20, trials=200, time_budget_s=60, progress=False)
+    killer.join()
+    assert killed and info.value.kernel == spec.name() and info.value.exit_code == -9
+    assert not psutil.pid_exists(killed[0])  # reaped: no zombie left behind

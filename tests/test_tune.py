@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import assert_close, randn
 
-from torch_tvm_gemm.compiler import build, tune, tune_space
+from torch_tvm_gemm.compiler import build, tune, tune_db, tune_space
 from torch_tvm_gemm.kernels.gemm import GemmSpec
-from torch_tvm_gemm.runtime import cache, records
+from torch_tvm_gemm.runtime import build_worker, cache, records, tune_worker
 
 pytestmark = pytest.mark.slow  # MetaSchedule searches: not in the fast lane
 
@@ -69,6 +69,37 @@ def test_tuning_persists_and_a_new_process_reuses_it(cache_home):
     assert len(record_lines(spec)) == 3
     best = json.loads((records.tuning_dir(spec) / "best.json").read_text())
     assert best["m"] == 33 and best["k"] == 24 and best["trials"] == 3
+
+
+def test_cli_tunes_in_a_worker_and_never_imports_the_compiler(cache_home):
+    code = (
+        "import sys\n"
+        "from torch_tvm_gemm.__main__ import main\n"
+        "rc = main(['tune', '--op', 'matmul', '--shapes', '33x40x24', '--trials', '2'])\n"
+        "print('compiler imported:', 'tvm' in sys.modules)\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "TVM_GEMM_CACHE_DIR": str(cache_home)}
+    env.pop(build_worker.ENV_IN_PROCESS, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 trials (2 new)" in proc.stdout, proc.stdout
+    assert "compiler imported: False" in proc.stdout, proc.stdout
+    assert "tune " in proc.stderr  # the worker's progress bar reached the caller's stderr
+    spec = GemmSpec("float32", 40, None, "kn")
+    assert len(record_lines(spec)) == 2  # the records landed in the caller's database
+    assert json.loads((records.tuning_dir(spec) / "best.json").read_text())["trials"] == 2
+
+
+def test_tuning_in_process_when_asked(cache_home, monkeypatch):
+    monkeypatch.setenv(build_worker.ENV_IN_PROCESS, "1")
+    spec = spec_of(n=24, k=16)
+    res = tune_worker.tune(spec, 20, trials=2, progress=False)
+    assert isinstance(res, records.TuneResult) and res.new_trials == 2
+    assert len(record_lines(spec)) == 2
 
 
 def test_resume_adds_only_the_missing_trials(cache_home):
@@ -171,8 +202,8 @@ def test_rpc_tuning_on_loopback(cache_home):
         assert (records.tuning_dir(spec) / "best.json").exists()
         # Measured for real over RPC: a failed run is recorded with a 1e10 s sentinel.
         mod = IRModule({"main": tune_space.tuned_compute(spec, 20)})
-        found = tune._records(tune.open_database(records.tuning_dir(spec)), mod)
-        assert len(found) == 2 and all(tune._seconds(r) < 1.0 for r in found)
+        found = tune_db.records_of(tune_db.open_database(records.tuning_dir(spec)), mod)
+        assert len(found) == 2 and all(tune_db.record_seconds(r) < 1.0 for r in found)
     finally:
         server.terminate()
         tracker.terminate()

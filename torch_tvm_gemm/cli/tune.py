@@ -4,14 +4,17 @@
     python -m torch_tvm_gemm tune --op linear --bias --activation relu --shapes 64x512x256
     python -m torch_tvm_gemm tune --model mypkg.models:make_mlp --input-shape 32,256
 
-Shapes are MxNxK. The database persists in the cache dir: an interrupted run resumes, a
-finished one is not repeated, and later builds of the kernel use the kept result.
+Shapes are MxNxK. Each kernel is tuned in a compile-worker process (this one never imports
+the compiler; ``TVM_GEMM_BUILD_IN_PROCESS=1`` tunes here). The database persists in the
+cache dir: an interrupted run resumes, a finished one is not repeated, and later builds of
+the kernel use the kept result.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import sys
 import time
 
 from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, DTYPES, GemmSpec
@@ -113,7 +116,8 @@ def parse_rpc(args) -> tuple[str, int, str] | None:
 
 def run(args) -> int:
     from torch_tvm_gemm import config
-    from torch_tvm_gemm.compiler import tune
+    from torch_tvm_gemm.runtime.build_worker import KernelBuildError
+    from torch_tvm_gemm.runtime.tune_worker import tune
 
     jobs = model_jobs(args) if args.model else shape_jobs(args)
     rpc = parse_rpc(args)
@@ -128,12 +132,15 @@ def run(args) -> int:
             print(f"{name}: time budget spent, not tuned")
             continue
         try:
-            res = tune.tune_spec(
+            res = tune(
                 spec, m, k, trials=args.trials, time_budget_s=left, rpc=rpc, space=args.space
             )
         except KeyboardInterrupt:
             print(f"\n{name}: interrupted; what was measured is kept: run again to resume")
             return 130
+        except KernelBuildError as err:
+            print(f"{name}: {err}", file=sys.stderr)
+            return 1
         kept += res.kept
         tuned = f"{res.tuned_gflops:.1f}" if res.tuned_gflops else "-"
         hand = f"{res.hand_gflops:.1f}" if res.hand_gflops else "-"

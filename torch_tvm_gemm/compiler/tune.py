@@ -34,8 +34,6 @@ import sys
 import threading
 import time
 import types
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,115 +42,9 @@ from filelock import FileLock
 from ..kernels.gemm import GemmSpec
 from ..measure import check_correct, time_kernels
 from ..runtime.cache_trust import PRIVATE_FILE_MODE, make_private_dir
-from ..runtime.records import BEST, tuning_dir
+from ..runtime.records import BEST, TuneResult, tuning_dir
+from .tune_db import open_database, record_seconds, records_of
 from .tune_space import apply_trace, hand_space, tuned_compute
-
-DB_FILES = ("database_workload.json", "database_tuning_record.json")
-
-
-# --- the database -------------------------------------------------------------------------
-
-
-def sanitize_database(work_dir: Path) -> int:
-    """Drop unreadable lines of the JSON database (with a warning); return how many.
-
-    MetaSchedule stops at the first bad line, so one torn write (a crash mid-append, a full
-    disk) would otherwise make every later tuning of the kernel fail.
-    """
-    wl_path, rec_path = (work_dir / f for f in DB_FILES)
-    workloads = _read_lines(wl_path)
-    records = _read_lines(rec_path)
-    # Renumber records when a workload line is dropped: they point at workloads by index.
-    new_index, kept_workloads = {}, []
-    for idx, (line, value) in enumerate(workloads):
-        if value is not None:
-            new_index[idx] = len(kept_workloads)
-            kept_workloads.append(line)
-    kept_records = []
-    for line, value in records:
-        if not (_valid_record(value) and value[0] in new_index):
-            continue
-        if new_index[value[0]] == value[0]:
-            kept_records.append(line)  # untouched, byte for byte
-        else:
-            kept_records.append(json.dumps([new_index[value[0]], value[1]], separators=(",", ":")))
-    dropped = len(workloads) - len(kept_workloads) + len(records) - len(kept_records)
-    if dropped:
-        warnings.warn(
-            f"torch_tvm_gemm: skipped {dropped} corrupt tuning record(s) in {work_dir}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        _rewrite(wl_path, kept_workloads)
-        _rewrite(rec_path, kept_records)
-    return dropped
-
-
-def _read_lines(path: Path) -> list[tuple[str, Any]]:
-    """(line, parsed value or None if it does not parse) for each non-empty line."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            out.append((line, json.loads(line)))
-        except ValueError:
-            out.append((line, None))
-    return out
-
-
-def _valid_record(value: Any) -> bool:
-    # [workload index, [trace, run_secs, target, args_info]]
-    return (
-        isinstance(value, list)
-        and len(value) == 2
-        and isinstance(value[0], int)
-        and isinstance(value[1], list)
-        and len(value[1]) == 4
-    )
-
-
-def _rewrite(path: Path, lines: list[str]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
-def open_database(work_dir: Path):
-    from tvm.s_tir import meta_schedule as ms
-
-    make_private_dir(work_dir)
-    sanitize_database(work_dir)
-    return ms.database.JSONDatabase(work_dir=str(work_dir))
-
-
-def _records(db, mod) -> list:
-    """The measured (valid) records of ``mod`` in ``db``, best first."""
-    if not db.has_workload(mod):
-        return []
-    return list(db.get_top_k(db.commit_workload(mod), 1 << 30))
-
-
-def _seconds(record) -> float:
-    secs = [float(s) for s in record.run_secs]
-    return sum(secs) / len(secs)
-
-
-# --- tuning -------------------------------------------------------------------------------
-
-
-@dataclass
-class TuneResult:
-    spec: GemmSpec
-    m: int
-    trials: int  # measured records for this workload in the database
-    new_trials: int  # of which this run measured
-    tuned_gflops: float | None
-    hand_gflops: float | None
-    kept: bool
-    reason: str
 
 
 def _target():
@@ -327,7 +219,7 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
     mod = IRModule({"main": tuned_compute(spec, m, k)})
     target = _target()
     flops = 2.0 * m * spec.n * spec.problem_k(k)
-    done = len(_records(open_database(work_dir), mod))
+    done = len(records_of(open_database(work_dir), mod))
     start_done = done
     bar = _progress_bar(trials, done, spec, progress)
     builder, runner = _in_process_builder(), _runner(rpc)  # reused over the rounds
@@ -355,12 +247,12 @@ def _search(spec, m, k, trials, deadline, rpc, space, per_round, progress) -> tu
                     raise
                 if ctrl_c["hit"]:
                     raise KeyboardInterrupt
-                records = _records(open_database(work_dir), mod)
+                records = records_of(open_database(work_dir), mod)
                 if len(records) == done:  # nothing new measured (space exhausted, all failed)
                     break
                 bar.update(len(records) - done)
                 done = len(records)
-                best = flops / _seconds(records[0]) / 1e9
+                best = flops / record_seconds(records[0]) / 1e9
                 left = max(0, deadline - time.monotonic())
                 bar.set_postfix_str(f"best {best:.1f} GFLOPS, {left:.0f} s of budget left")
         finally:
@@ -436,7 +328,7 @@ def _verdict(spec: GemmSpec, m: int, k: int | None, done: int, new: int, space: 
     from .build import compile_spec
 
     mod = IRModule({"main": tuned_compute(spec, m, k)})
-    records = _records(open_database(tuning_dir(spec)), mod)[:RECHECK_TOP]
+    records = records_of(open_database(tuning_dir(spec)), mod)[:RECHECK_TOP]
     if not records:
         return TuneResult(spec, m, done, new, None, None, False, "no valid measurement")
     candidates, failure = [], ""

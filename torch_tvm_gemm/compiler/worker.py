@@ -1,25 +1,33 @@
-"""The compile worker's side: read build requests, compile, write libraries, reply.
+"""The compile worker's side: read build (or tuning) requests, run them, reply.
 
 Started by ``runtime/build_worker.py`` as a fresh interpreter. Requests arrive on stdin and replies leave
 on the original stdout, each a length-prefixed pickle; the worker's fd 1 is pointed at its
 stderr, so that whatever the compiler prints can never be mistaken for a reply. The worker
 exits at the end of its input (the caller stopped it or died).
 
-A request: ``{"spec", "path", "arch", "env", "cwd"}``. A reply: ``{"seconds", "warnings",
-"error", "error_text", "traceback"}`` (``error``: None, or the exception pickled, or b""
-where it cannot cross as itself: the caller then raises ``KernelBuildError`` with the text).
+A build request: ``{"kind": "build", "spec", "path", "arch", "env", "cwd"}``; a tuning
+request: ``{"kind": "tune", "spec", "m", "k", "options", "database", "env", "cwd"}`` (the
+options of ``compiler.tune.tune_spec``; tuning workers are started with torch, which the
+verdict needs). A reply: ``{"seconds", "result", "interrupted", "warnings", "error",
+"error_text", "traceback"}`` (``result``: a tuning's ``TuneResult``; ``interrupted``: a
+tuning stopped by SIGINT, what it measured kept; ``error``: None, or the exception pickled,
+or b"" where it cannot cross as itself: the caller then raises ``KernelBuildError`` with
+the text).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
 
-from ..runtime.build_worker import MESSAGE_HEADER, SAFE_MODULES, read_exact, write_all
+from ..runtime.build_worker import SAFE_MODULES
+from ..runtime.worker_pipe import MESSAGE_HEADER, read_exact, write_all
 
 
 def build_to_file(spec, path: str, arch: str | None = None) -> float:
@@ -32,22 +40,66 @@ def build_to_file(spec, path: str, arch: str | None = None) -> float:
     return time.perf_counter() - start
 
 
+def tune(request: dict):
+    """Run one tuning request (``compiler.tune.tune_spec``); its ``TuneResult``."""
+    from ..runtime.records import tuning_dir
+    from .tune import tune_spec
+
+    spec = request["spec"]
+    if str(tuning_dir(spec)) != request["database"]:  # caller and worker must agree
+        raise RuntimeError(
+            f"torch_tvm_gemm: the tuning worker would write kernel {spec.name()}'s records to "
+            f"{tuning_dir(spec)}, not to {request['database']} where the caller reads them"
+        )
+    return tune_spec(spec, request["m"], request["k"], **request["options"])
+
+
 def serve(request: dict) -> dict:
-    """Run one build request; its reply (an error is reported, never raised)."""
-    reply = {"seconds": 0.0, "warnings": [], "error": None, "error_text": "", "traceback": ""}
+    """Run one request; its reply (an error is reported, never raised)."""
+    reply = {"seconds": 0.0, "result": None, "interrupted": False, "warnings": []}
+    reply |= {"error": None, "error_text": "", "traceback": ""}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # the caller's own filters decide what is shown
         try:
             os.environ.clear()
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
-            reply["seconds"] = build_to_file(request["spec"], request["path"], request["arch"])
+            if request.get("kind") == "tune":
+                start = time.perf_counter()
+                reply["result"] = _interruptible(tune, request)
+                reply["seconds"] = time.perf_counter() - start
+            else:
+                spec, path, arch = request["spec"], request["path"], request["arch"]
+                reply["seconds"] = build_to_file(spec, path, arch)
+        except KeyboardInterrupt:  # SIGINT from the caller: tuning stopped between rounds
+            reply["interrupted"] = True
         except Exception as err:
             reply["error_text"] = f"{type(err).__name__}: {err}"
             reply["traceback"] = traceback.format_exc()
             reply["error"] = _pickled(err)
     reply["warnings"] = [(_portable_class(w.category, UserWarning), str(w.message)) for w in caught]
     return reply
+
+
+def _interruptible(run, request: dict):
+    """``run(request)`` with SIGINT raising KeyboardInterrupt (the caller's way to stop a
+    tuning: ``compiler.tune`` then stops after the current round), and SIGINT sent to
+    ourselves if the caller dies meanwhile (nobody would read the result: stop likewise)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
+    caller, done = os.getppid(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(1.0):
+            if os.getppid() != caller:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        return run(request)
+    finally:
+        done.set()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late one must not kill the reply
 
 
 def _portable_class(cls: type, fallback: type) -> type:

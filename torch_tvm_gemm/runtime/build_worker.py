@@ -33,7 +33,6 @@ import io
 import os
 import pickle
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -41,11 +40,12 @@ import time
 import warnings
 from pathlib import Path
 
+from .worker_pipe import MESSAGE_HEADER, read_exact, write_all
+
 ENV_IN_PROCESS = "TVM_GEMM_BUILD_IN_PROCESS"  # "1": build in the calling process
 ENV_WORKERS = "TVM_GEMM_BUILD_WORKERS"  # most workers at once (default: the usable cores)
 IDLE_TIMEOUT_S = 300.0  # an idle worker is stopped after this long (its memory freed)
 STDERR_TAIL_BYTES = 4096  # how much of a dead worker's stderr its error quotes
-MESSAGE_HEADER = struct.Struct("<Q")  # a message: its length, then a pickle
 # What a reply may name (exception and warning classes): never the compiler's own modules,
 # whose unpickling would import ``tvm`` here.
 SAFE_MODULES = ("builtins", "torch_tvm_gemm", "tvm_ffi")
@@ -61,7 +61,7 @@ WORKER_MODULE = "torch_tvm_gemm.compiler.worker"
 _BOOT = """
 import importlib.util, sys
 sys.path[:] = {path!r}
-sys.modules["torch"] = None
+{no_torch}
 spec = importlib.util.spec_from_file_location(
     "torch_tvm_gemm", {init!r}, submodule_search_locations=[{package!r}])
 sys.modules["torch_tvm_gemm"] = importlib.util.module_from_spec(spec)
@@ -70,9 +70,12 @@ main()
 """
 
 
-def _boot() -> str:
+def _boot(with_torch: bool = False) -> str:
     init = str(_PACKAGE_DIR / "__init__.py")
-    return _BOOT.format(path=list(sys.path), init=init, package=str(_PACKAGE_DIR))
+    no_torch = "" if with_torch else 'sys.modules["torch"] = None'
+    return _BOOT.format(
+        path=list(sys.path), no_torch=no_torch, init=init, package=str(_PACKAGE_DIR)
+    )
 
 
 class KernelBuildError(RuntimeError):
@@ -120,6 +123,7 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
         return worker.build_to_file(spec, path, arch)
     request = pickle.dumps(
         {
+            "kind": "build",
             "spec": spec,
             "path": path,
             "arch": arch,
@@ -151,11 +155,65 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
         ) from None
     finally:
         _release(worker, healthy)
+    _pass_on(reply, spec)
+    return reply["seconds"]
+
+
+def ask_alone(request: dict, spec, doing: str) -> dict:
+    """Run one request in a worker of its own, then stop it: for a tuning (``doing``), which
+    takes minutes and needs torch. The worker may import torch and its stderr (progress,
+    the compiler's messages) is passed on to ours as it comes. The first Ctrl-C is passed
+    to the worker (a tuning stops after its round and replies ``interrupted``), a second
+    one kills it; either way KeyboardInterrupt is raised here. No timeout: the request ends
+    when the worker replies or dies (``KernelBuildError``, naming ``doing`` and the cause).
+    """
+    try:
+        worker = _Worker(with_torch=True, echo_stderr=True)
+    except OSError as err:
+        raise KernelBuildError(
+            f"torch_tvm_gemm: cannot start a compile worker for {doing}: {err}",
+            kernel=spec.name(),
+        ) from err
+    ctrl_c = {"hits": 0}
+
+    def on_ctrl_c(signum, frame) -> None:
+        ctrl_c["hits"] += 1
+        if ctrl_c["hits"] == 1:
+            os.kill(worker.proc.pid, signal.SIGINT)
+        else:
+            worker.proc.kill()
+
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if on_main else signal.SIG_IGN
+    if previous != signal.SIG_IGN:
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        reply = worker.ask(pickle.dumps(request))
+    except _WorkerDied as died:
+        if ctrl_c["hits"]:
+            raise KeyboardInterrupt from None
+        raise KernelBuildError(
+            f"torch_tvm_gemm: the compile worker for {doing} died ({died.cause})"
+            + (f". The worker's last output:\n{died.stderr}" if died.stderr else ""),
+            kernel=spec.name(),
+            exit_code=died.code,
+        ) from None
+    finally:
+        if previous != signal.SIG_IGN:
+            signal.signal(signal.SIGINT, previous)
+        worker.stop()
+    if reply["interrupted"] or ctrl_c["hits"]:
+        raise KeyboardInterrupt
+    _pass_on(reply, spec)
+    return reply
+
+
+def _pass_on(reply: dict, spec) -> None:
+    """Warn the reply's warnings here; raise its error (``_error_of``)."""
     for category, message in reply["warnings"]:
-        warnings.warn(message, category, stacklevel=2)
+        warnings.warn(message, category, stacklevel=3)
     if reply["error"] is not None:
         raise _error_of(reply, spec)
-    return reply["seconds"]
 
 
 def build_count() -> int:
@@ -224,9 +282,10 @@ class _WorkerDied(Exception):
 class _Worker:
     """A compile-worker process, its request/reply pipes, and the tail of its stderr."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_torch: bool = False, echo_stderr: bool = False) -> None:
+        self._echo = echo_stderr
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _boot()],
+            [sys.executable, "-c", _boot(with_torch)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -247,6 +306,8 @@ class _Worker:
         # Always drained, so that a chatty build never blocks on a full pipe.
         fd = self.proc.stderr.fileno()
         while chunk := os.read(fd, 65536):
+            if self._echo:
+                _echo(chunk)
             self._tail += chunk
             del self._tail[:-STDERR_TAIL_BYTES]
         self.proc.stderr.close()
@@ -302,22 +363,13 @@ class _Worker:
         self._drain.join(timeout=2)  # it closes stderr at the end of the worker's output
 
 
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def read_exact(fd: int, size: int) -> bytes | None:
-    """``size`` bytes from ``fd``, or None at the end of the input (the writer died)."""
-    parts, left = [], size
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            return None
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
+def _echo(chunk: bytes) -> None:
+    try:
+        out = getattr(sys.stderr, "buffer", None)
+        out.write(chunk) if out else sys.stderr.write(chunk.decode(errors="replace"))
+        sys.stderr.flush()
+    except (OSError, ValueError):  # our stderr is closed: the tail is still kept
+        pass
 
 
 def _describe_exit(code: int | None) -> str:

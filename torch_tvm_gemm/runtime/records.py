@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import cache_dir, dist_version, tuning_root
@@ -82,3 +83,17 @@ def tuned_key(spec: GemmSpec) -> str | None:
     if best is None or not best["kept"]:
         return None
     return hashlib.sha256(json.dumps(best["trace"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class TuneResult:
+    """What a tuning run of one kernel found (``compiler.tune.tune_spec``), and its verdict."""
+
+    spec: GemmSpec
+    m: int
+    trials: int  # measured records for this workload in the database
+    new_trials: int  # of which this run measured
+    tuned_gflops: float | None
+    hand_gflops: float | None
+    kept: bool
+    reason: str
