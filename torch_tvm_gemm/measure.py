@@ -5,7 +5,7 @@ ladder and the benchmarks.
 float64) on fresh random data. ``time_interleaved`` is the one timer: it alternates the
 contenders round by round, so that a change of machine load hits all alike, each sample a
 median of single calls (``median_call``) or the mean of a block of calls (``mean_call``);
-``time_kernels`` applies it to GEMM kernels on the same inputs. ``keep_freed_memory`` keeps
+``gflops_vs_torch`` and ``time_kernels`` apply it to a pair of calls and to GEMM kernels. ``keep_freed_memory`` keeps
 the allocator from returning large outputs' memory to the OS between calls.
 """
 
@@ -119,6 +119,20 @@ def time_interleaved(
         for i, fn in enumerate(fns):
             samples[i].append(sample(fn))
     return [keep(s) for s in samples]
+
+
+def gflops_vs_torch(tvm_fn, torch_fn, flops: float, calls: int) -> dict:
+    """``tvm_gflops``, ``torch_gflops`` and ``ratio`` (torch's time over ours) of two
+    no-argument functions that each compute ``flops``: ``time_interleaved``, each sample a
+    median of ``calls`` calls."""
+    t_tvm, t_torch = time_interleaved(
+        [tvm_fn, torch_fn], sample=lambda fn: median_call(fn, calls=calls)
+    )
+    return {
+        "tvm_gflops": flops / t_tvm / 1e9,
+        "torch_gflops": flops / t_torch / 1e9,
+        "ratio": t_torch / t_tvm,
+    }
 
 
 def time_kernels(spec: GemmSpec, m: int, k: int | None, fns: list, rounds: int = 3) -> list:

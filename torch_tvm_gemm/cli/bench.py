@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from ..measure import median_call, time_interleaved
+from ..measure import gflops_vs_torch
 
 # (op, dtype, M, N, K); a comment gives the ratio against torch the row aims for.
 FULL_ROWS = [
@@ -68,21 +68,8 @@ def _row(op: str, dtype_name: str, m: int, n: int, k: int, repeats: int) -> dict
     first_call = time.perf_counter() - start
     flops = 2.0 * m * n * k
     reps = repeats or max(10, min(200, int(2e10 / flops)))
-    t_tvm, t_torch = time_interleaved(
-        [tvm_fn, torch_fn], sample=lambda fn: median_call(fn, calls=reps)
-    )
-    return {
-        "op": op,
-        "dtype": dtype_name,
-        "M": m,
-        "N": n,
-        "K": k,
-        "reference": ref,
-        "tvm_gflops": flops / t_tvm / 1e9,
-        "torch_gflops": flops / t_torch / 1e9,
-        "ratio": t_torch / t_tvm,
-        "first_call_s": first_call,
-    }
+    row = {"op": op, "dtype": dtype_name, "M": m, "N": n, "K": k, "reference": ref}
+    return row | gflops_vs_torch(tvm_fn, torch_fn, flops, reps) | {"first_call_s": first_call}
 
 
 WARM_START = (

@@ -14,7 +14,7 @@ import json
 import math
 import tempfile
 
-from ..measure import mean_call, median_call, time_interleaved
+from ..measure import gflops_vs_torch, mean_call, time_interleaved
 from ..tools.workloads import LINEAR_LAYERS
 
 SWEEP_M = [1, 2, 8, 17, 32, 64, 128, 256, 512, 2048]
@@ -115,19 +115,8 @@ def _timed(op, m, n, k, batch, tvm_fn, torch_fn, repeats) -> dict:
     tvm_fn()  # build or load the kernel
     flops = 2.0 * batch * m * n * k
     reps = repeats or max(5, min(200, int(5e9 / flops)))
-    t_tvm, t_torch = time_interleaved(
-        [tvm_fn, torch_fn], sample=lambda fn: median_call(fn, calls=reps)
-    )
-    return {
-        "op": op,
-        "batch": batch,
-        "M": m,
-        "N": n,
-        "K": k,
-        "tvm_gflops": flops / t_tvm / 1e9,
-        "torch_gflops": flops / t_torch / 1e9,
-        "ratio": t_torch / t_tvm,
-    }
+    row = {"op": op, "batch": batch, "M": m, "N": n, "K": k}
+    return row | gflops_vs_torch(tvm_fn, torch_fn, flops, reps)
 
 
 def run(args) -> int:

@@ -146,12 +146,10 @@ def build(spec, path: str | os.PathLike, arch: str | None = None) -> float:
         reply = worker.ask(request)
         healthy = True
     except _WorkerDied as died:
-        raise KernelBuildError(
-            f"torch_tvm_gemm: the compile worker building kernel {spec.name()} died "
-            f"({died.cause}); the kernel was not built, the next build starts a new worker"
-            + (f". The worker's last output:\n{died.stderr}" if died.stderr else ""),
-            kernel=spec.name(),
-            exit_code=died.code,
+        raise died.error(
+            f"building kernel {spec.name()} died ({died.cause}); the kernel was not built, "
+            "the next build starts a new worker",
+            spec.name(),
         ) from None
     finally:
         _release(worker, healthy)
@@ -192,12 +190,7 @@ def ask_alone(request: dict, spec, doing: str) -> dict:
     except _WorkerDied as died:
         if ctrl_c["hits"]:
             raise KeyboardInterrupt from None
-        raise KernelBuildError(
-            f"torch_tvm_gemm: the compile worker for {doing} died ({died.cause})"
-            + (f". The worker's last output:\n{died.stderr}" if died.stderr else ""),
-            kernel=spec.name(),
-            exit_code=died.code,
-        ) from None
+        raise died.error(f"for {doing} died ({died.cause})", spec.name()) from None
     finally:
         if previous != signal.SIG_IGN:
             signal.signal(signal.SIGINT, previous)
@@ -277,6 +270,15 @@ class _WorkerDied(Exception):
     def __init__(self, cause: str, stderr: str, code: int | None) -> None:
         super().__init__(cause)
         self.cause, self.stderr, self.code = cause, stderr, code
+
+    def error(self, what: str, kernel: str) -> KernelBuildError:
+        """The caller's exception: "the compile worker <what>", and the worker's last output."""
+        return KernelBuildError(
+            f"torch_tvm_gemm: the compile worker {what}"
+            + (f". The worker's last output:\n{self.stderr}" if self.stderr else ""),
+            kernel=kernel,
+            exit_code=self.code,
+        )
 
 
 class _Worker:
