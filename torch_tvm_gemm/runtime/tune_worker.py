@@ -49,5 +49,6 @@ def tune(
     }
     if build_worker.in_process():  # the compiler in this process (debugging)
         return importlib.import_module(build_worker.WORKER_MODULE).tune(request)
-    doing = f"tuning kernel {spec.name()} (what it measured is kept in {tuning_dir(spec)})"
+    kept = f"what it measured is kept in {tuning_dir(spec)}: run again to resume"
+    doing = f"tuning kernel {spec.name()} ({kept})"
     return build_worker.ask_alone(request, spec, doing)["result"]
