@@ -139,14 +139,15 @@ def gemm(
 # TVM kernels assume that each buffer starts on a boundary: 64 bytes on the CPU (TVM's
 # allocation alignment; seen: a batch slice of B at a 660-byte offset crashed the packed
 # kernel), 16 bytes for the CUDA kernels' vector accesses. A view that starts elsewhere (a
-# storage offset, a batch slice) goes through a fresh, aligned tensor.
-_ALIGNMENT = {"cpu": 64, "cuda": 16}
+# storage offset, a batch slice) goes through a fresh, aligned tensor. The C++ impls get the
+# CPU value at registration (ops/impls.py).
+KERNEL_ALIGNMENT = {"cpu": 64, "cuda": 16}
 
 
 def aligned(t: Tensor, copy: bool = True) -> Tensor:
     """``t`` if it starts on its device's kernel alignment, else a fresh tensor (a copy of
     ``t`` with ``copy``; uninitialised for an output that is copied back afterwards)."""
-    if t.data_ptr() % _ALIGNMENT[device_name(t)] == 0:
+    if t.data_ptr() % KERNEL_ALIGNMENT[device_name(t)] == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format) if copy else torch.empty_like(t)
 
