@@ -11,7 +11,9 @@ is registered per dispatch key; ``use_impl()`` switches, for tests and benchmark
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 import tvm_ffi
@@ -20,6 +22,7 @@ from .. import _ext
 from ..kernels.gemm import ACTIVATIONS
 from ..runtime.table import get_kernel, on_clear_table
 from ..schedules.cpu import DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
+from . import plan
 from .checks import DTYPE_NAMES, SUPPORTED_DTYPES
 from .gemm_ops import KERNEL_ALIGNMENT, gemm_spec, linear_impl, matmul_impl
 
@@ -134,6 +137,42 @@ def use_impl(path: str) -> str:
         if cache is not None:  # a private torch attribute: tolerate its absence
             cache.clear()
     return previous
+
+
+@contextlib.contextmanager
+def planning(
+    device: str | None = None, tf32: bool | None = None, compute: bool = True
+) -> Iterator[plan.Plan]:
+    """Plan instead of run: the ops record the kernel each call needs and compute with torch.
+
+        with torch_tvm_gemm.ops.planning() as found:
+            model(x)                          # no kernel is built, loaded or called
+        found.specs                           # the kernels a real model(x) asks for
+
+    Each ``tvm_gemm`` GEMM and conv call picks its kernel spec as it would for real
+    (``gemm_spec``, ``conv2d_spec``; backward passes included), records it once in the
+    yielded ``Plan`` and returns torch's result. ``device`` ("cpu" or "cuda") plans that
+    device's kernels whatever the tensors' device (a GPU run, planned on CPU tensors of the
+    same shapes); ``tf32`` (CUDA float32) overrides ``torch.backends.cuda.matmul.allow_tf32``;
+    ``compute=False`` leaves the results uninitialised (cheap, for code whose control flow
+    reads no values).
+
+    The Python impls serve the ops while it is active (the C++ fast path would not see
+    it), and the previous choice is restored afterwards. Process-wide and not for
+    concurrent use: other threads' op calls meanwhile are planned too; it does not nest.
+    """
+    if device not in plan.DEVICES:
+        raise ValueError(f"tvm_gemm.planning: device must be 'cpu', 'cuda' or None, got {device!r}")
+    if plan.active() is not None:
+        raise RuntimeError("tvm_gemm.planning: already planning (planning() does not nest)")
+    found = plan.Plan(device=device, tf32=tf32, compute=compute)
+    previous = use_impl("python")
+    plan.activate(found)
+    try:
+        yield found
+    finally:
+        plan.activate(None)
+        use_impl(previous)
 
 
 def init_impls() -> None:
