@@ -32,9 +32,11 @@ class Plan:
     # control flow reads no values: a GPU case at 8192^3 would take minutes on the CPU).
     compute: bool = True
     specs: list[Any] = field(default_factory=list)  # in order of first use, each once
+    _seen: set[Any] = field(default_factory=set, init=False, repr=False)
 
     def record(self, spec) -> None:
-        if spec not in self.specs:
+        if spec not in self._seen:
+            self._seen.add(spec)
             self.specs.append(spec)
 
     def device_for(self, device: str) -> str:
