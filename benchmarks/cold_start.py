@@ -1,7 +1,7 @@
 """Cold start of a converted model: kernels built layer by layer on first use, or up front by
 ``torch_tvm_gemm.precompile`` in 1 or 2 parallel compile workers.
 
-    python benchmarks/cold_start.py [--rounds 2] [--models bert,resnet]
+    python benchmarks/cold_start.py [--rounds 3] [--models bert,resnet]
 
 Models (transformers, random weights, eval mode, converted with ``torch_tvm_gemm.convert``):
 
@@ -11,10 +11,12 @@ Models (transformers, random weights, eval mode, converted with ``torch_tvm_gemm
 
 Each run is a fresh process on an empty cache dir; the modes alternate within a round so
 that a busy machine slows them alike. Per mode: the seconds from the converted model to the
-end of its first forward (``precompile`` included), how many kernels were built and how many
-of them by the forward itself, and the calling process's RSS afterwards (current and peak;
-the compiler lives in the worker processes, never in the caller). The header gives the usable
-cores and the load average before and after: on a shared machine, read ratios, not seconds.
+end of its first forward (``precompile`` included; median, range, and the speed-up over the
+layer-by-layer build in a compile worker), how many kernels were built and how many of them
+by the forward itself, and the calling process's RSS afterwards (current and peak: the
+compiler lives in the worker processes, except in the ``TVM_GEMM_BUILD_IN_PROCESS=1`` row).
+The header gives the usable cores and the load average before and after: on a shared
+machine, read ratios, not seconds.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# argv: model ("bert" or "resnet"), workers ("lazy", or the precompile worker count).
+# argv: model ("bert" or "resnet"), mode ("lazy", "inproc": lazy with the builds in this
+# process, or the precompile worker count).
 CHILD = """
 import json, sys, time, torch
 import torch_tvm_gemm as tg
@@ -59,7 +62,7 @@ model, inputs = {"bert": bert, "resnet": resnet}[which]()
 tg.convert(model)
 start = time.perf_counter()
 planned = None
-if mode != "lazy":
+if mode not in ("lazy", "inproc"):
     planned = tg.precompile(model, *inputs, workers=int(mode))
 before_forward = build_worker.build_count()
 with torch.no_grad():
@@ -76,6 +79,7 @@ print(json.dumps({
 """
 
 MODES = [
+    ("inproc", "layer by layer, in process"),
     ("lazy", "layer by layer (first use)"),
     ("1", "precompile, 1 worker"),
     ("2", "precompile, 2 workers"),
@@ -83,10 +87,13 @@ MODES = [
 
 
 def run(model: str, mode: str) -> dict:
+    """One cold start in a fresh process on an empty cache dir."""
     with tempfile.TemporaryDirectory(prefix="tvm_gemm_cold_") as cache:
         env = {**os.environ, "TVM_GEMM_CACHE_DIR": cache}
         for name in ("TVM_GEMM_BUILD_IN_PROCESS", "TVM_GEMM_NO_COMPILE", "TVM_GEMM_BUILD_WORKERS"):
             env.pop(name, None)
+        if mode == "inproc":
+            env["TVM_GEMM_BUILD_IN_PROCESS"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, model, mode],
@@ -102,7 +109,7 @@ def run(model: str, mode: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="bert,resnet")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
@@ -122,10 +129,12 @@ def main() -> None:
         lazy = statistics.median(r["seconds"] for r in rows[(model, "lazy")])
         for mode, label in MODES:
             results = rows[(model, mode)]
-            seconds = statistics.median(r["seconds"] for r in results)
+            times = [r["seconds"] for r in results]
+            seconds = statistics.median(times)
             first = results[0]
             print(
-                f"  {model:6s} {label:28s} {seconds:6.1f} s ({lazy / seconds:4.2f}x)"
+                f"  {model:6s} {label:28s} {seconds:5.1f} s ({min(times):4.1f}-{max(times):4.1f},"
+                f" {lazy / seconds:4.2f}x)"
                 f"  {first['built']:2d} kernels, {first['built_by_forward']:2d} built by the forward"
                 f"  RSS {statistics.median(r['rss_mb'] for r in results):4.0f} MB"
                 f" (peak {statistics.median(r['peak_rss_mb'] for r in results):4.0f})"
