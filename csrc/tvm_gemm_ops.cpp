@@ -1,11 +1,13 @@
 // C++ implementations of the tvm_gemm ops: the per-call hot path.
 //
 // The schemas, fake kernels and autograd formulas live in torch_tvm_gemm/ops/; so does the
-// Python implementation that this file mirrors (ops/gemm_ops.py: _matmul_impl, _linear_impl, gemm). What moves
-// here is only what runs on every call: validation, the kernel-table lookup, the output
-// allocation and the call into the TVM function. Python still decides *which* kernel to use
-// and builds or loads it: on a table miss we call back once into Python through the tvm-ffi
-// global function "tvm_gemm.get_kernel" and keep the returned function handle.
+// Python implementation that this file mirrors (ops/gemm_ops.py: matmul_impl, linear_impl, gemm).
+// What moves here is only what runs on every call: validation, the kernel-table lookup, the
+// output allocation and the call into the TVM function. Python still decides *which* kernel a
+// call needs (ops/gemm_ops.py gemm_spec) and builds or loads it: on a table miss we call back
+// once into Python through the tvm-ffi global function "tvm_gemm.get_kernel" with the call's
+// shape, and keep the returned function handle. Our own variant rule below only forms the
+// table key (a hit must not enter Python); Python checks that it agrees with gemm_spec's.
 //
 // Why C++ at all: a Python impl registered with torch.library costs ~6 us per call (the
 // dispatcher boxes the arguments and enters the interpreter), more than the whole 16x16 GEMM.
@@ -48,7 +50,7 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Configuration handed over by ops/impls.py at registration, so that the constants have one home
 // (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS and DOT_MAX_M, kernels/gemm.py ACTIVATIONS,
-// ops/checks.py SUPPORTED_DTYPES).
+// ops/checks.py SUPPORTED_DTYPES, ops/gemm_ops.py KERNEL_ALIGNMENT).
 
 struct DtypeInfo {
   at::ScalarType scalar;
@@ -72,6 +74,8 @@ struct Config {
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
+  // KERNEL_ALIGNMENT["cpu"] - 1 (a power of two): a pointer p is aligned when (p & mask) == 0.
+  uintptr_t alignment_mask = 63;
 };
 
 // Written only by register_impls() while no impl is registered, read by the impls afterwards.
@@ -146,7 +150,9 @@ template <typename... Args>
 // GemmSpec.variant names, indexed by KernelKey::variant.
 constexpr std::array<const char*, 3> kVariants{{"gemm", "gemv", "dot"}};
 
-// schedules/cpu.py gemm_variant() for CPU kernels, with its constants.
+// schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
+// On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
+// error if its variant differs (tests/test_csrc.py sweeps both rules against each other).
 int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
   if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return 2;
@@ -212,7 +218,9 @@ std::shared_mutex& table_mutex() {
   TORCH_CHECK(false, msg);
 }
 
-tvm::ffi::Function lookup_kernel(const KernelKey& key) {
+// The kernel for key; m and k (the call's own, also where the key's K is symbolic) are only
+// read on a miss, to hand Python the call as it is.
+tvm::ffi::Function lookup_kernel(const KernelKey& key, int64_t m, int64_t k) {
   {
     std::shared_lock<std::shared_mutex> lock(table_mutex());
     auto it = table().find(key);
@@ -225,8 +233,9 @@ tvm::ffi::Function lookup_kernel(const KernelKey& key) {
   tvm::ffi::Function fn;
   try {
     tvm::ffi::Function get_kernel = tvm::ffi::Function::GetGlobalRequired("tvm_gemm.get_kernel");
-    fn = get_kernel(key.dtype->name, key.n, key.k, key.b_nk ? "nk" : "kn", key.bias,
-                    g_config.activations[key.activation], kVariants[key.variant], "cpu", key.batched)
+    fn = get_kernel(key.dtype->name, m, key.n, k, key.b_nk ? "nk" : "kn", key.bias,
+                    g_config.activations[key.activation], /*static_k=*/key.k >= 0, key.batched,
+                    kVariants[key.variant], "cpu")
              .cast<tvm::ffi::Function>();
   } catch (const tvm::ffi::Error& err) {
     // Raise the Python exception itself (kept by the handler), as the Python path would;
@@ -261,11 +270,10 @@ void sync_threads() {
 // A DLTensor that views a contiguous tensor's memory: no allocation, no copy, no reference
 // count (it lives on the caller's stack for the duration of the call, while the tensor does).
 // TVM's CPU kernels assume each buffer starts on a 64-byte boundary (seen: a batch slice of B
-// at a 660-byte offset crashed the packed kernel); ops._aligned applies the same rule.
-constexpr uintptr_t kKernelAlignment = 64;
-
+// at a 660-byte offset crashed the packed kernel); ops/gemm_ops.py aligned() applies the same
+// rule, with the KERNEL_ALIGNMENT it passes us at registration.
 bool is_aligned(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % kKernelAlignment == 0;
+  return (reinterpret_cast<uintptr_t>(t.data_ptr()) & g_config.alignment_mask) == 0;
 }
 
 // t, or an aligned contiguous copy of it (at::empty allocates on the boundary).
@@ -299,7 +307,7 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
-// act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors ops.gemm's CPU branch
+// act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors gemm_ops.gemm's CPU branch
 // (these impls are registered for CPU only).
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                 const std::optional<at::Tensor>& bias, int act, bool static_k,
@@ -324,11 +332,11 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                       /*batched=*/false,
                       a.device().type(),
                       c10::DeviceIndex(0)};
-  tvm::ffi::Function kernel = lookup_kernel(key);
+  tvm::ffi::Function kernel = lookup_kernel(key, m, k);
   sync_threads();
 
   // Contiguous (expect_contiguous borrows when it already is: no refcount traffic) and, like
-  // ops._aligned, starting on TVM's 64-byte boundary, else an aligned copy.
+  // ops/gemm_ops.py aligned(), starting on the kernel alignment, else an aligned copy.
   const at::Tensor ac = aligned(*a.expect_contiguous());
   const at::Tensor bc = aligned(*b.expect_contiguous());
   // The output: fresh, or a slice of a fresh batch that may start off the boundary.
@@ -352,7 +360,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   return result;
 }
 
-// Mirrors ops._matmul_2d: a transposed contiguous b (b = w.T, as in a Linear backward) is read
+// Mirrors gemm_ops._matmul_2d: a transposed contiguous b (b = w.T, as in a Linear backward) is read
 // in place as "nk".
 at::Tensor matmul_2d(const at::Tensor& a, const at::Tensor& b,
                      std::optional<at::Tensor> out = std::nullopt) {
@@ -364,16 +372,16 @@ at::Tensor matmul_2d(const at::Tensor& a, const at::Tensor& b,
 }
 
 // ---------------------------------------------------------------------------------------------
-// The op impls (mirror ops._matmul_impl and ops._linear_impl).
+// The op impls (mirror gemm_ops.matmul_impl and gemm_ops.linear_impl).
 
-// t as 2-D (rows, last dim), like ops._rows: reshape(-1, K) would fail for K = 0.
+// t as 2-D (rows, last dim), like gemm_ops.rows: reshape(-1, K) would fail for K = 0.
 at::Tensor rows(const at::Tensor& t) {
   const c10::IntArrayRef sizes = t.sizes();
   const int64_t k = sizes.back();
   return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), k});
 }
 
-// Mirrors ops._matmul_batched: (batch, M, K) @ (batch, K, N), a possibly broadcast, as one
+// Mirrors gemm_ops._matmul_batched: (batch, M, K) @ (batch, K, N), a possibly broadcast, as one
 // kernel launch; a batch of transposed contiguous matrices is read in place as "nk".
 at::Tensor matmul_batched(const at::Tensor& a, const at::Tensor& b, int64_t batch, int64_t m,
                           int64_t n) {
@@ -385,7 +393,7 @@ at::Tensor matmul_batched(const at::Tensor& a, const at::Tensor& b, int64_t batc
   const bool nk = !b.is_contiguous() && b.transpose(1, 2).is_contiguous();
   const KernelKey key{&dtype, n, -1, nk, false, g_config.none_activation, /*variant gemm*/ 0,
                       /*batched=*/true, a.device().type(), c10::DeviceIndex(0)};
-  tvm::ffi::Function kernel = lookup_kernel(key);
+  tvm::ffi::Function kernel = lookup_kernel(key, m, k);
   sync_threads();
   const at::Tensor ac = aligned(a.expand({batch, m, k}).contiguous());
   const at::Tensor bc = aligned(nk ? b.transpose(1, 2) : b.contiguous());
@@ -424,7 +432,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   if (!linear_ok(x, weight, bias, act)) {
     raise_python_check("check_linear", x, weight, bias, std::string(activation));
   }
-  // Mirrors ops._linear_impl: a weight that is the transpose of a contiguous (in, out) matrix
+  // Mirrors gemm_ops.linear_impl: a weight that is the transpose of a contiguous (in, out) matrix
   // (transformers' Conv1D passes weight.t()) is read in place with the "kn" layout.
   const bool kn = !weight.is_contiguous() && weight.t().is_contiguous();
   const at::Tensor w = kn ? weight.t() : weight;
@@ -516,9 +524,13 @@ std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 
 void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot_max_m,
                     const std::vector<std::string>& activations,
-                    const std::vector<std::string>& dtypes, bool autograd_fast_path) {
+                    const std::vector<std::string>& dtypes, int64_t kernel_alignment,
+                    bool autograd_fast_path) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
+  TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
+              "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
   Config config;
+  config.alignment_mask = static_cast<uintptr_t>(kernel_alignment - 1);
   config.gemv_max_m = gemv_max_m;
   config.gemv_min_b_elements = gemv_min_b_elements;
   config.dot_max_m = dot_max_m;
@@ -556,6 +568,14 @@ void clear_table() {
   table().clear();
 }
 
+// The variant name the table key of a CPU (m, n, k) product holds (for tests: it must agree
+// with schedules/cpu.py gemm_variant, which gemm_spec follows).
+std::string key_variant(int64_t m, int64_t n, int64_t k, const std::string& b_layout) {
+  TORCH_CHECK(!g_config.activations.empty(), "tvm_gemm: register_impls() has not run yet");
+  TORCH_CHECK(b_layout == "kn" || b_layout == "nk", "tvm_gemm: b_layout must be 'kn' or 'nk'");
+  return kVariants[gemm_variant(m, n, k, b_layout == "nk")];
+}
+
 int64_t table_size() {
   std::shared_lock<std::shared_mutex> lock(table_mutex());
   return static_cast<int64_t>(table().size());
@@ -571,7 +591,8 @@ int64_t parallel_launch_address();  // parallel_launch.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
-        py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
+        py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
+        py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("autograd_fast_path") = true,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");
@@ -579,6 +600,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch_keys", &tvm_gemm::dispatch_keys, "Dispatch keys the C++ impls cover.");
   m.def("clear_table", &tvm_gemm::clear_table, "Forget every cached kernel handle.");
   m.def("table_size", &tvm_gemm::table_size, "Number of cached kernel handles.");
+  m.def("key_variant", &tvm_gemm::key_variant, py::arg("m"), py::arg("n"), py::arg("k"),
+        py::arg("b_layout"), "The variant of the kernel-table key of a CPU (m, n, k) product.");
   m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,
         "Address of the TVMBackendParallelLaunch replacement that runs on torch's OpenMP pool.");
 }

@@ -257,6 +257,67 @@ def test_kernel_build_error_surfaces(impl, monkeypatch):
         mm(a, b)
 
 
+# --- which kernel: one rule (gemm_spec), the C++ table key agreeing with it -------------------
+
+
+@needs_ext
+def test_cpp_table_key_follows_gemm_spec_variant():
+    """Over M / N / K around every threshold, the C++ key's variant is gemm_spec's."""
+    from torch_tvm_gemm.schedules import cpu
+
+    limit = cpu.GEMV_MIN_B_ELEMENTS
+    ms = sorted({1, 2, 3, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1, cpu.DOT_MAX_M})
+    ms += [cpu.DOT_MAX_M + 1, 64, 1000]
+    nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
+    previous = ops.use_impl("cpp")  # (the key's constants come at registration)
+    try:
+        disagree = [
+            (m, n, k, layout, EXT.key_variant(m, n, k, layout), spec.variant)
+            for m in ms
+            for n, k in nks
+            for layout in ("kn", "nk")
+            if EXT.key_variant(m, n, k, layout)
+            != (spec := ops.gemm_spec("float32", m, n, k, layout)).variant
+        ]
+    finally:
+        ops.use_impl(previous)
+    assert not disagree, disagree
+    assert {ops.gemm_spec("float32", m, 64, 64, "nk").variant for m in ms} == {
+        "gemv",
+        "dot",
+        "gemm",
+    }  # the sweep reaches every variant
+
+
+@needs_ext
+def test_cpp_miss_hands_python_the_call(monkeypatch):
+    """On a miss the C++ impl passes the call's M and K; gemm_spec makes the spec."""
+    from torch_tvm_gemm.ops import impls
+
+    asked = []
+    real = impls.get_kernel
+    monkeypatch.setattr(impls, "get_kernel", lambda spec: asked.append(spec) or real(spec))
+    table.clear_table()
+    x, w, b = randn(4, 64), randn(80, 64), randn(80)
+    a, bm = randn(5, 24), randn(24, 9)
+    _run_on("cpp", lambda: (lin(x, w, b, "relu"), mm(a, bm)))
+    assert asked == [
+        ops.gemm_spec("float32", 4, 80, 64, "nk", bias=True, activation="relu"),
+        ops.gemm_spec("float32", 5, 9, 24, "kn", static_k=False),
+    ]
+    assert asked[0].variant == "dot" and asked[1].k is None
+
+
+def test_miss_handler_rejects_a_variant_gemm_spec_would_not_pick():
+    from torch_tvm_gemm.ops import impls
+
+    with pytest.raises(RuntimeError, match="internal error.*'gemv'.*'gemm'"):
+        impls._kernel_for_cpp(
+            "float32", 500, 64, 64, "nk", False, "none", True, False, "gemv", "cpu"
+        )
+    impls._cpp_miss.error = None  # (kept for C++, which is not waiting for it here)
+
+
 # --- safety: threads, leaks, switches ---------------------------------------------------------
 
 

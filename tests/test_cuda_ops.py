@@ -142,13 +142,13 @@ def test_tf32_numerics(case, allow_tf32):
 @needs_tf32
 def test_allow_tf32_switches_kernels(monkeypatch):
     """The flag is read at every call: off -> the exact fp32 kernel, on -> the TF32 one."""
-    from torch_tvm_gemm import ops
+    from torch_tvm_gemm.ops import gemm_ops
 
     case = TF32_CASES[3]  # linear 129x200x136, bias + relu
     args = case.inputs("cuda")
     specs = []
-    real = ops.get_kernel
-    monkeypatch.setattr(ops, "get_kernel", lambda spec: specs.append(spec) or real(spec))
+    real = gemm_ops.get_kernel
+    monkeypatch.setattr(gemm_ops, "get_kernel", lambda spec: specs.append(spec) or real(spec))
     matmul = torch.backends.cuda.matmul
     saved = matmul.allow_tf32
     try:

@@ -6,6 +6,7 @@
     model = torch_tvm_gemm.swap_linear(model)        # nn.Linear -> TVMLinear, in place
     y = torch_tvm_gemm.conv2d_bias_relu(x, w, b, stride=1, padding=1)  # relu(conv2d + b)
     model = torch_tvm_gemm.convert(model)            # any model, in place: fusions + linears
+    torch_tvm_gemm.precompile(model, x)              # build all its kernels now, in parallel
 
 Kernels are compiled on first use for this machine and cached on disk
 (``TVM_GEMM_CACHE_DIR``, default ``~/.cache/torch_tvm_gemm``); a warm cache needs only the
@@ -23,6 +24,7 @@ from . import vmap_rules as _vmap_rules  # noqa: F401 (torch.vmap over the ops)
 from .fold import TVMConv2dBN
 from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
 from .model_convert import ConversionSummary, convert
+from .model_precompile import PrecompileSummary, precompile
 from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear
 from .runtime.build_worker import KernelBuildError
 from .runtime.precompile import precompile_specs
@@ -37,6 +39,8 @@ __all__ += [
     "ConversionSummary",
     "FusionSummary",
     "KernelBuildError",
+    "precompile",
+    "PrecompileSummary",
     "precompile_specs",
 ]
 __version__ = "0.1.0"

@@ -34,6 +34,7 @@ from torch import Tensor, fx, nn
 
 from .fold import TVMConv2dBN
 from .fusion import TVMConv2dBiasReLU, fuse_convs_in_graph
+from .model_precompile import PrecompileSummary, precompile, split_example_inputs
 from .nn import (
     TVMConv1D,
     TVMLinear,
@@ -57,7 +58,8 @@ class ConversionSummary:
     ``layers`` maps the qualified name of every ``nn.Linear`` / ``Conv1D`` / ``nn.Conv2d``
     found to what it became (``"swapped"``, ``"fused: ..."``) or why it was left alone
     (``"left alone: <reason>"``). ``regions`` lists the traced submodules that run a fused
-    graph; ``untraced`` maps each module ``torch.fx`` could not trace to the reason.
+    graph; ``untraced`` maps each module ``torch.fx`` could not trace to the reason;
+    ``precompiled``, when ``convert`` was given example inputs, what ``precompile`` did.
     """
 
     model: str = ""
@@ -65,6 +67,7 @@ class ConversionSummary:
     kinds: dict[str, str] = field(default_factory=dict)  # fqn -> "linear" | "conv1d" | "conv2d"
     regions: list[str] = field(default_factory=list)
     untraced: dict[str, str] = field(default_factory=dict)
+    precompiled: PrecompileSummary | None = None
 
     @property
     def fused(self) -> list[str]:
@@ -340,6 +343,7 @@ def convert(
     model: nn.Module,
     linear_filter: Callable[[nn.Module, str], bool] | None = None,
     inplace: bool = True,
+    example_inputs=None,
 ) -> nn.Module:
     """Put ``model`` on the TVM ops: conv -> (BN) -> ReLU and linear -> activation fusion where
     ``torch.fx`` can trace, every linear layer swapped everywhere. Never gives up on a model.
@@ -356,6 +360,10 @@ def convert(
     folded, and one switched to training mode after conversion runs as plain torch ops.
     What ``torch.fx`` specialises at trace time stays so in a fused region: Python-level
     branches on ``self.training`` or on shapes; convert a model in the mode it will run in.
+
+    ``example_inputs`` (default None: kernels build on first use): after converting, build
+    every kernel ``model(*example_inputs)`` needs, in parallel (``precompile``; a tuple is
+    the positional arguments, a dict the keyword ones, anything else the one argument).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -396,6 +404,10 @@ def convert(
         summary.layers[fqn] = what
     model.conversion_summary = summary
     log.info(summary.line())
+    if example_inputs is not None:
+        args, kwargs = split_example_inputs(example_inputs)
+        summary.precompiled = precompile(model, *args, example_kwargs=kwargs)
+        log.info(str(summary.precompiled))
     return model
 
 

@@ -8,8 +8,9 @@ An op is ``OP:DTYPE:N:K[:EPILOGUE]``: OP ``matmul`` (B is (K, N)) or ``linear`` 
 (N, K)); DTYPE ``float16``, ``bfloat16``, ``float32``, ``float64`` or ``tf32`` (float32
 tensors on tensor cores, the kernel used when ``torch.backends.cuda.matmul.allow_tf32`` is
 set; sm_80+); EPILOGUE (linear only) ``bias``, ``relu``, ``gelu``, ``bias+relu``, ``bias+gelu``.
-Each op is built in both M variants (small M <= 16 and general) unless ``--variants`` says
-otherwise. A conv2d + bias + relu kernel (groups 1, any batch) is
+Each op is built for each M range of ``--variants`` (default both: ``gemv``, small M <= 16, and
+``gemm``, any larger M), as the op would pick its kernel there (``ops.gemm_spec``): a B of
+fewer than 4096 elements has no gemv kernel, so it gets one kernel. A conv2d + bias + relu kernel (groups 1, any batch) is
 ``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
 (padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``; e.g.
 ``conv2d:float16:64:64:3x3:56x56:p1``. A GPU process loads the pack with
@@ -33,14 +34,22 @@ def register(sub) -> None:
     p.add_argument(
         "--preset", choices=["test", "bench", "all"], help="kernels of the GPU tests/bench"
     )
-    p.add_argument("--variants", default="gemm,gemv", help="M variants for --ops (gemm,gemv)")
+    p.add_argument("--variants", default="gemm,gemv", help="M ranges for --ops (gemm,gemv)")
     p.add_argument("--out", required=True, help="pack folder to write")
     p.set_defaults(func=run)
 
 
+def variant_m() -> dict[str, int]:
+    """An M inside each variant's range on CUDA (``schedules/cpu.py`` ``gemm_variant``)."""
+    from ..schedules.cpu import DOT_MAX_M, GEMV_MAX_M
+
+    return {"gemv": 1, "gemm": max(GEMV_MAX_M, DOT_MAX_M) + 1}
+
+
 def parse_op(text: str, variants: list[str]) -> list:
-    """``linear:bfloat16:4096:4096:bias+relu`` -> GemmSpecs (one per M variant)."""
-    from ..kernels.gemm import GemmSpec
+    """``linear:bfloat16:4096:4096:bias+relu`` -> the GemmSpecs its calls ask for, one per M
+    range of ``variants`` (fewer where two ranges share a kernel), from ``ops.gemm_spec``."""
+    from ..ops import gemm_spec
 
     parts = text.split(":")
     if len(parts) not in (4, 5) or parts[0] not in ("matmul", "linear") or parts[1] not in DTYPES:
@@ -55,21 +64,27 @@ def parse_op(text: str, variants: list[str]) -> list:
         raise SystemExit(f"compile: bad epilogue in {text!r} (bias, relu, gelu, bias+relu, ...)")
     if epilogue and op == "matmul":
         raise SystemExit(f"compile: {text!r}: matmul has no epilogue (use linear)")
+    ms = variant_m()
+    unknown = [v for v in variants if v not in ms]
+    if unknown:
+        raise SystemExit(f"compile: unknown variant {unknown[0]!r} ({', '.join(ms)})")
     activation = next((a for a in ("relu", "gelu") if a in epilogue), "none")
-    return [
-        GemmSpec(
-            dtype="float32" if tf32 else dtype,
-            n=n,
-            k=k,
-            b_layout="kn" if op == "matmul" else "nk",
+    specs = [
+        gemm_spec(
+            "float32" if tf32 else dtype,
+            ms[variant],
+            n,
+            k,
+            "kn" if op == "matmul" else "nk",
             bias="bias" in epilogue,
             activation=activation,
-            variant=variant,
             device="cuda",
+            static_k=op == "linear",
             tf32=tf32,
         )
         for variant in variants
     ]
+    return list(dict.fromkeys(specs))
 
 
 def parse_conv_op(text: str):

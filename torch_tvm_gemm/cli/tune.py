@@ -62,6 +62,8 @@ def model_jobs(args) -> list[tuple[str, GemmSpec, int, int | None]]:
     """(layer name, spec, M, K) for each Linear of the model on the example input."""
     import torch
 
+    from torch_tvm_gemm.ops import gemm_spec
+
     if not args.input_shape:
         raise SystemExit("tune: --model needs --input-shape (e.g. 32,256)")
     module_name, _, factory = args.model.partition(":")
@@ -90,9 +92,8 @@ def model_jobs(args) -> list[tuple[str, GemmSpec, int, int | None]]:
             print(f"  {name}: Conv2d skipped (tuning covers the GEMM kernels only)")
             continue
         m = math.prod(in_shape[:-1])
-        spec = GemmSpec(
-            args.dtype, module.out_features, module.in_features, "nk", module.bias is not None
-        )
+        n, k, bias = module.out_features, module.in_features, module.bias is not None
+        spec = gemm_spec(args.dtype, m, n, k, "nk", bias=bias)  # the kernel the call asks for
         jobs.append((name, spec, m, None))
     return jobs
 

@@ -17,6 +17,7 @@ from ..runtime.table import get_kernel
 from ..schedules.cpu_conv2d import pointwise_as_gemm, weight_block
 from .checks import CONV, DTYPE_NAMES, INT32_MAX, check_conv2d, check_cuda_arch, pair
 from .gemm_ops import aligned, device_name, gemm, sum_tangents
+from .plan import active as active_plan
 from .schemas import LIB
 
 _conv_spec = functools.lru_cache(maxsize=4096)(Conv2dSpec)  # one spec object per geometry
@@ -66,6 +67,8 @@ def _conv2d_impl(
     relu: bool = True,
 ) -> Tensor:
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if active_plan() is not None:
+        return _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, shape)
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:  # (no input channels included: check_conv2d)
@@ -95,6 +98,24 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, 
     for i in range(n):
         gemm(w, pixels[i], "kn", bias, "relu" if relu else "none", out=dest[i], bias_axis="m")
     return out
+
+
+def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, shape):
+    """Planning mode (ops/plan.py): record the kernels the planned device's impl would ask
+    for, and return torch's result. (A grouped conv planned for CUDA records nothing: the
+    GPU impl refuses it.)"""
+    found = active_plan()
+    device = found.device_for(device_name(x))
+    if math.prod(shape) != 0 and (device == "cpu" or groups == 1):
+        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, device)
+        if device == "cpu" and pointwise_as_gemm(spec):  # run as GEMMs, which plan theirs
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            return _pointwise_conv(x, weight, bias, relu, out)
+        found.record(spec)
+    if not found.compute:
+        return x.new_empty(shape)
+    y = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return torch.relu(y) if relu else y
 
 
 def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
@@ -138,6 +159,8 @@ def _conv2d_cuda_impl(
     relu: bool = True,
 ) -> Tensor:
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if active_plan() is not None:
+        return _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, shape)
     if groups != 1:
         raise NotImplementedError(
             f"tvm_gemm.{CONV}: argument 'groups' must be 1 on CUDA, got {groups} (grouped "

@@ -18,11 +18,26 @@ from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules.cpu import gemm_variant
 from . import schemas  # noqa: F401 (the schemas are defined before their kernels)
-from .checks import DTYPE_NAMES, check_cuda_gemm, check_linear, check_matmul, use_tf32
+from .checks import (
+    DTYPE_NAMES,
+    check_cuda_gemm,
+    check_linear,
+    check_matmul,
+    tf32_allowed,
+    use_tf32,
+)
+from .plan import Plan
+from .plan import active as active_plan
 
 
 def device_name(t: Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu"
+
+
+def kernel_device(t: Tensor) -> str:
+    """The device whose kernels a call on ``t`` uses: t's, or the one being planned for."""
+    found = active_plan()
+    return device_name(t) if found is None else found.device_for(device_name(t))
 
 
 # Interned specs: a call reuses the spec object rather than building and validating a new one.
@@ -98,7 +113,8 @@ def gemm(
             else torch.zeros_like(out)
         )
         return out.copy_(torch_activation(activation)(zero))
-    device = device_name(a)
+    found = active_plan()
+    device = kernel_device(a)
     cuda = device == "cuda"
     if a.is_cuda:
         check_cuda_gemm(a, b, m, n, k)
@@ -113,8 +129,11 @@ def gemm(
         device=device,
         static_k=static_k,
         bias_axis=bias_axis,
-        tf32=cuda and a.dtype == torch.float32 and use_tf32(a),
+        tf32=cuda and a.dtype == torch.float32 and _tf32(a, found),
     )
+    if found is not None:
+        found.record(spec)
+        return _planned_gemm(found, a, b, b_layout, bias, activation, bias_axis, out)
     args = [a.contiguous(), b.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
@@ -136,17 +155,45 @@ def gemm(
     return out
 
 
+def _tf32(a: Tensor, found: Plan | None) -> bool:
+    """Whether an fp32 CUDA product takes the TF32 kernel (planned on CPU tensors: as torch's
+    flag says, for an sm_80+ GPU)."""
+    if found is not None and found.tf32 is not None:
+        return found.tf32
+    return use_tf32(a) if a.is_cuda else tf32_allowed()
+
+
+def _planned_gemm(
+    found: Plan,
+    a: Tensor,
+    b: Tensor,
+    b_layout: str,
+    bias: Tensor | None,
+    activation: str,
+    bias_axis: str,
+    out: Tensor,
+) -> Tensor:
+    """A planned call's result (ops/plan.py): torch's, or ``out`` untouched."""
+    if found.compute:
+        z = a @ (b if b_layout == "kn" else b.t())
+        if bias is not None:
+            z = z + (bias[:, None] if bias_axis == "m" else bias)
+        out.copy_(torch_activation(activation)(z))
+    return out
+
+
 # TVM kernels assume that each buffer starts on a boundary: 64 bytes on the CPU (TVM's
 # allocation alignment; seen: a batch slice of B at a 660-byte offset crashed the packed
 # kernel), 16 bytes for the CUDA kernels' vector accesses. A view that starts elsewhere (a
-# storage offset, a batch slice) goes through a fresh, aligned tensor.
-_ALIGNMENT = {"cpu": 64, "cuda": 16}
+# storage offset, a batch slice) goes through a fresh, aligned tensor. The C++ impls get the
+# CPU value at registration (ops/impls.py).
+KERNEL_ALIGNMENT = {"cpu": 64, "cuda": 16}
 
 
 def aligned(t: Tensor, copy: bool = True) -> Tensor:
     """``t`` if it starts on its device's kernel alignment, else a fresh tensor (a copy of
     ``t`` with ``copy``; uninitialised for an output that is copied back afterwards)."""
-    if t.data_ptr() % _ALIGNMENT[device_name(t)] == 0:
+    if t.data_ptr() % KERNEL_ALIGNMENT[device_name(t)] == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format) if copy else torch.empty_like(t)
 
@@ -169,7 +216,7 @@ def matmul_impl(a: Tensor, b: Tensor) -> Tensor:
         return _matmul_2d(rows(a), b).reshape(shape)
     if b.shape[0] == 1:  # one B for the whole batch: one GEMM over all rows of a
         return _matmul_2d(rows(a), b[0]).reshape(shape)
-    if not a.is_cuda:
+    if kernel_device(a) != "cuda":
         return _matmul_batched(a, b, shape)
     batch, m, n = shape
     a3 = a.expand(batch, m, a.shape[-1])
@@ -196,6 +243,10 @@ def _matmul_batched(a: Tensor, b: Tensor, shape: list[int]) -> Tensor:
     spec = gemm_spec(
         DTYPE_NAMES[a.dtype], m, n, k, "nk" if nk else "kn", static_k=False, batched=True
     )
+    found = active_plan()
+    if found is not None:
+        found.record(spec)
+        return out.copy_(torch.matmul(a3, b)) if found.compute else out
     kernel = get_kernel(spec)
     sync_threads()
     kernel(aligned(a3), aligned(b3), out)  # out: fresh, hence aligned

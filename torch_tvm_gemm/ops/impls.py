@@ -3,24 +3,28 @@
 The C++ impls (torch_tvm_gemm._C) mirror ``gemm_ops``' ``matmul_impl`` / ``linear_impl`` /
 ``gemm`` and call the same kernels; they reach Python only on a kernel-table miss (through
 the tvm-ffi global function below) and on bad input (to raise ``checks``' own error). The
-constants they mirror (variant thresholds, activations, dtypes) are handed to them here, at
-registration, from their one home. Exactly one impl is registered per dispatch key;
-``use_impl()`` switches, for tests and benchmarks.
+constants they mirror (variant thresholds, activations, dtypes, the kernel alignment) are
+handed to them here, at registration, from their one home; on a miss they hand over the
+call's shape, and ``gemm_spec`` decides the kernel, as on the Python path. Exactly one impl
+is registered per dispatch key; ``use_impl()`` switches, for tests and benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 import tvm_ffi
 
 from .. import _ext
-from ..kernels.gemm import ACTIVATIONS, GemmSpec
+from ..kernels.gemm import ACTIVATIONS
 from ..runtime.table import get_kernel, on_clear_table
 from ..schedules.cpu import DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
+from . import plan
 from .checks import DTYPE_NAMES, SUPPORTED_DTYPES
-from .gemm_ops import linear_impl, matmul_impl
+from .gemm_ops import KERNEL_ALIGNMENT, gemm_spec, linear_impl, matmul_impl
 
 _cpp_miss = threading.local()  # the miss handler's last exception, per thread
 PY_IMPL_KEYS = ("CPU", "CUDA")  # dispatch keys the Python impls serve
@@ -30,25 +34,46 @@ _impl_path = ""
 
 def _kernel_for_cpp(
     dtype: str,
+    m: int,
     n: int,
     k: int,
     b_layout: str,
     bias: bool,
     activation: str,
+    static_k: bool,
+    batched: bool,
     variant: str,
     device: str,
-    batched: bool = False,
 ):
-    """The C++ kernel table's miss handler: every GemmSpec field (k < 0: symbolic K).
+    """The C++ kernel table's miss handler: the call's shape and options, from which
+    ``gemm_spec`` (the one rule) makes the spec; ``variant`` is the one the C++ table key holds.
 
     An exception is also kept for ``reraise_kernel_error`` (same thread): tvm-ffi hands C++
     only its class name and text, and the caller should see the exception itself, as on the
     Python path.
     """
     try:
-        return _get_kernel_for_cpp(
-            dtype, n, k, b_layout, bias, activation, variant, device, batched
+        spec = gemm_spec(
+            dtype,
+            m,
+            n,
+            k,
+            b_layout,
+            bias=bias,
+            activation=activation,
+            device=device,
+            static_k=static_k,
+            batched=batched,
         )
+        if spec.variant != variant:  # the table would keep this kernel under another key
+            raise RuntimeError(
+                f"tvm_gemm: internal error: for an ({m}, {k}) @ {b_layout} (n={n}) product the "
+                f"C++ impl keys the kernel as variant {variant!r} but gemm_spec picks "
+                f"{spec.variant!r}; the variant rule in csrc/tvm_gemm_ops.cpp and "
+                "schedules/cpu.py gemm_variant disagree (rebuild the extension; please report "
+                "this if it persists)"
+            )
+        return get_kernel(spec)
     except BaseException as err:
         _cpp_miss.error = err
         raise
@@ -59,31 +84,6 @@ def reraise_kernel_error() -> None:
     err, _cpp_miss.error = getattr(_cpp_miss, "error", None), None
     if err is not None:
         raise err
-
-
-def _get_kernel_for_cpp(
-    dtype: str,
-    n: int,
-    k: int,
-    b_layout: str,
-    bias: bool,
-    activation: str,
-    variant: str,
-    device: str,
-    batched: bool,
-):
-    spec = GemmSpec(
-        dtype=dtype,
-        n=n,
-        k=None if k < 0 else k,
-        b_layout=b_layout,
-        bias=bias,
-        activation=activation,
-        variant=variant,
-        device=device,
-        batched=batched,
-    )
-    return get_kernel(spec)
 
 
 def impl_path() -> str:
@@ -120,6 +120,7 @@ def use_impl(path: str) -> str:
             DOT_MAX_M,
             list(ACTIVATIONS),
             [DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
+            KERNEL_ALIGNMENT["cpu"],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]
@@ -136,6 +137,42 @@ def use_impl(path: str) -> str:
         if cache is not None:  # a private torch attribute: tolerate its absence
             cache.clear()
     return previous
+
+
+@contextlib.contextmanager
+def planning(
+    device: str | None = None, tf32: bool | None = None, compute: bool = True
+) -> Iterator[plan.Plan]:
+    """Plan instead of run: the ops record the kernel each call needs and compute with torch.
+
+        with torch_tvm_gemm.ops.planning() as found:
+            model(x)                          # no kernel is built, loaded or called
+        found.specs                           # the kernels a real model(x) asks for
+
+    Each ``tvm_gemm`` GEMM and conv call picks its kernel spec as it would for real
+    (``gemm_spec``, ``conv2d_spec``; backward passes included), records it once in the
+    yielded ``Plan`` and returns torch's result. ``device`` ("cpu" or "cuda") plans that
+    device's kernels whatever the tensors' device (a GPU run, planned on CPU tensors of the
+    same shapes); ``tf32`` (CUDA float32) overrides ``torch.backends.cuda.matmul.allow_tf32``;
+    ``compute=False`` leaves the results uninitialised (cheap, for code whose control flow
+    reads no values).
+
+    The Python impls serve the ops while it is active (the C++ fast path would not see
+    it), and the previous choice is restored afterwards. Process-wide and not for
+    concurrent use: other threads' op calls meanwhile are planned too; it does not nest.
+    """
+    if device not in plan.DEVICES:
+        raise ValueError(f"tvm_gemm.planning: device must be 'cpu', 'cuda' or None, got {device!r}")
+    if plan.active() is not None:
+        raise RuntimeError("tvm_gemm.planning: already planning (planning() does not nest)")
+    found = plan.Plan(device=device, tf32=tf32, compute=compute)
+    previous = use_impl("python")
+    plan.activate(found)
+    try:
+        yield found
+    finally:
+        plan.activate(None)
+        use_impl(previous)
 
 
 def init_impls() -> None:

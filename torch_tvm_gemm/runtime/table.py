@@ -42,6 +42,11 @@ def get_kernel(spec) -> Any:
     return fn
 
 
+def has_kernel(spec) -> bool:
+    """Whether ``spec``'s kernel is in the table now (for CUDA: the current GPU's)."""
+    return ((spec, cuda_arch()) if spec.device == "cuda" else spec) in _table
+
+
 def _kernel_lock(key: Any) -> threading.Lock:
     with _lock:
         return _kernel_locks.setdefault(key, threading.Lock())

@@ -2,14 +2,13 @@
 
 A machine without ``tvm`` runs only the kernels of a pack built elsewhere, so the pack must
 hold exactly the kernels those workloads call, backward passes included. Rather than
-re-deriving them from the ops' logic, ``record_specs`` runs the workloads on CPU tensors
-with the kernel lookup replaced by a recorder that pretends to be on CUDA: the specs it
-sees are the ones a GPU run asks for.
+re-deriving them from the ops' logic, ``record_specs`` runs the workloads on CPU tensors in
+the ops' planning mode for CUDA (``ops.planning``): the specs it records are the ones a GPU
+run asks for.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -177,57 +176,23 @@ BENCH_CASES = [
 ] + [Case("linear", dt, 4096, 4096, 4096, True, "relu") for dt in (torch.bfloat16, torch.float16)]
 
 
-@contextlib.contextmanager
-def _recording(found: list, tf32: bool = False):
-    """Route ops/gemm_ops.py's kernel lookups to a recorder that pretends to be on CUDA (an sm_80+
-    GPU, with TF32 allowed for fp32 products if ``tf32``)."""
-    from .. import ops
-    from ..ops import gemm_ops
-
-    def fake_kernel(*args):
-        return None
-
-    def record(spec):
-        found.append(spec)
-        return fake_kernel
-
-    saved = gemm_ops.get_kernel, gemm_ops.device_name, gemm_ops.use_tf32
-    # The patches act on the Python impls (gemm_ops.gemm); the C++ ones would bypass them, and keep
-    # the fake kernel in their table.
-    path = ops.use_impl("python")
-    gemm_ops.get_kernel, gemm_ops.device_name, gemm_ops.use_tf32 = (
-        record,
-        lambda t: "cuda",
-        lambda t: tf32,
-    )
-    try:
-        yield
-    finally:
-        gemm_ops.get_kernel, gemm_ops.device_name, gemm_ops.use_tf32 = saved
-        ops.use_impl(path)
-
-
 def record_specs(cases, backward: bool = False, tf32: bool = False) -> list:
     """The kernel specs a GPU run of ``cases`` (and their backward) would ask for, with
-    ``torch.backends.cuda.matmul.allow_tf32`` = ``tf32``.
+    ``torch.backends.cuda.matmul.allow_tf32`` = ``tf32`` on an sm_80+ GPU.
 
-    A conv case asks for its forward kernel only (its backward runs in PyTorch).
+    The cases run on CPU tensors under ``ops.planning(device="cuda")``: each op picks its
+    kernel as on the GPU and records it, nothing is built or computed. A conv case runs its
+    forward only (its backward runs in PyTorch, no kernel of ours).
     """
-    found: list = []
-    with _recording(found, tf32):
+    from ..ops import planning
+
+    with planning(device="cuda", tf32=tf32, compute=False) as found:
         for case in cases:
-            if isinstance(case, ConvCase):
-                found.append(case.spec())
-                continue
-            args = case.inputs("cpu", requires_grad=backward)
-            out = case.run(*args)
-            if backward:
+            grad = backward and not isinstance(case, ConvCase)
+            out = case.run(*case.inputs("cpu", requires_grad=grad))
+            if grad:
                 out.float().sum().backward()
-    unique = []
-    for spec in found:
-        if spec not in unique:
-            unique.append(spec)
-    return unique
+    return found.specs
 
 
 def pack_specs(preset: str) -> list:
