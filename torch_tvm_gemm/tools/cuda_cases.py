@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .workloads import RESNET50_CONVS
+
 
 @dataclass(frozen=True)
 class Case:
@@ -162,14 +164,8 @@ CONV_GRAD_CASES = [ConvCase(torch.float16, 2, 16, 9, 10, 24, 3, padding=1)]
 CONV_BENCH_CASES = [
     ConvCase(dt, 32, c, hw, hw, k, r, padding=r // 2, channels_last=True)
     for dt in NARROW
-    for (c, k, hw, r) in [
-        (64, 64, 56, 3),
-        (256, 64, 56, 1),
-        (128, 128, 28, 3),
-        (256, 256, 14, 3),
-        (1024, 256, 14, 1),
-        (512, 512, 7, 3),
-    ]
+    # Each 3x3 layer once and two of the 1x1 ones: the pack stays small.
+    for (c, k, hw, r) in (RESNET50_CONVS[i] for i in (0, 1, 3, 6, 7, 9))
 ]
 BENCH_CASES = [
     Case("matmul", dt, s, s, s) for s in (512, 4096, 8192) for dt in (torch.bfloat16, torch.float16)
