@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from ..func_autograd import register_function_autograd
-from ..kernels.conv2d import Conv2dSpec, pack_weight
+from ..kernels.conv2d import Conv2dSpec
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
-from ..schedules.cpu_conv2d import pointwise_as_gemm, weight_block
+from ..schedules.cpu_conv2d import pointwise_as_gemm
 from .checks import CONV, DTYPE_NAMES, INT32_MAX, check_conv2d, check_cuda_arch, pair
 from .gemm_ops import aligned, device_name, gemm, sum_tangents
 from .schemas import LIB
@@ -75,9 +75,11 @@ def _conv2d_impl(
         return _pointwise_conv(x, weight, bias, relu, out)
     kernel = get_kernel(spec)
     sync_threads()
-    kb = weight_block(spec)
-    w_arg = weight.contiguous() if kb is None else _packed_weight(weight, kb, spec.acc_dtype)
-    args = [x.contiguous(), w_arg]
+    # The kernel reads the weight in torch's layout and packs it itself, at every call: no
+    # cache key sees every change of a weight (a write through ``weight.data`` or a numpy
+    # view leaves ``_version`` as it was), and checking a kept pack costs a pass over the
+    # weight, as packing does.
+    args = [x.contiguous(), weight.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
     kernel(*[aligned(t) for t in args], out)  # out: fresh, hence aligned
@@ -95,17 +97,6 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, 
     for i in range(n):
         gemm(w, pixels[i], "kn", bias, "relu" if relu else "none", out=dest[i], bias_axis="m")
     return out
-
-
-def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
-    """``weight`` in the blocked kernels' layout, packed at every call.
-
-    Not cached across calls: no key sees every change of a weight (a write through
-    ``weight.data`` or a numpy view leaves ``_version`` as it was), and checking a cached
-    pack against the weight's content costs a pass over the weight, as packing does. oneDNN
-    reorders the weight of an eager ``F.conv2d`` at every call too.
-    """
-    return pack_weight(weight, kb, getattr(torch, acc_dtype))
 
 
 LIB.impl(CONV, _conv2d_impl, "CPU")
@@ -158,7 +149,7 @@ def _conv2d_cuda_impl(
         spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, device="cuda")
         kernel = get_kernel(spec)
         x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
-        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _packed_weight)
+        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _conv2d_impl)
         if bias is not None:
             args.append(bias.contiguous())
         with torch.cuda.device(x.device):  # (as in gemm: tvm_ffi uses torch's current stream)
