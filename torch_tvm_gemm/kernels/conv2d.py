@@ -1,4 +1,6 @@
-"""The math of the conv2d kernels: ``out = relu(conv2d(x, weight) + bias)``, in TensorIR (TE).
+"""The math of the conv2d kernels: ``out = act(conv2d(x, weight) + bias)``, in TensorIR (TE).
+
+``act`` is one of ``ACTIVATIONS`` (``relu`` by default, as the op's name says).
 
 No schedule here (see ``schedules/cpu_conv2d.py``). Layouts are torch's: ``x (N, C, H, W)``,
 ``weight (K, C/groups, R, S)``, ``bias (K,)``, ``out (N, K, OH, OW)``, all contiguous.
@@ -28,6 +30,35 @@ from dataclasses import asdict, dataclass
 from . import epilogue
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+# The conv's epilogues: ReLU, and those of MobileNetV2 (relu6), MobileNetV3 (hardswish) and
+# EfficientNet (silu).
+ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu")
+
+
+def torch_activation(name: str):
+    """The torch function of a conv epilogue (the reference of tests, autograd's formulas)."""
+    import torch.nn.functional as F
+
+    return {
+        "none": lambda t: t,
+        "relu": F.relu,
+        "relu6": F.relu6,
+        "hardswish": F.hardswish,
+        "silu": F.silu,
+    }[name]
+
+
+def activate(name: str, v, dtype: str, device: str):
+    """The epilogue ``name`` on the TIR value ``v`` (applied once, to the final sum)."""
+    if name == "relu":
+        return epilogue.relu(v, dtype)
+    if name == "relu6":
+        return epilogue.relu6(v, dtype)
+    if name == "hardswish":
+        return epilogue.hardswish(v, dtype)
+    if name == "silu":
+        return epilogue.silu(v, dtype, device)
+    return v
 
 
 @dataclass(frozen=True)
@@ -46,14 +77,20 @@ class Conv2dSpec:
     dilation: tuple[int, int] = (1, 1)
     groups: int = 1
     bias: bool = True
-    relu: bool = True
+    relu: bool = True  # the epilogue when ``activation`` is None: "relu" or "none"
     device: str = "cpu"
+    activation: str | None = None  # one of ACTIVATIONS; replaces ``relu`` when given
 
     family = "conv2d"
 
     def __post_init__(self) -> None:
         # Internal invariants: user input is validated in ops/checks.py before a spec is made.
+        if self.activation is None:  # (frozen: normalized here, so that equal specs are equal)
+            object.__setattr__(self, "activation", "relu" if self.relu else "none")
+        object.__setattr__(self, "relu", self.activation == "relu")
         if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"bad Conv2dSpec {self}")
+        if self.activation not in ACTIVATIONS:
             raise ValueError(f"bad Conv2dSpec {self}")
         if self.out_h < 1 or self.out_w < 1:
             raise ValueError(f"bad Conv2dSpec {self} (empty output)")
@@ -78,7 +115,9 @@ class Conv2dSpec:
             f"{tag}{a}x{b}"
             for tag, (a, b) in (("s", self.stride), ("p", self.padding), ("d", self.dilation))
         )
-        epi = ("_bias" if self.bias else "") + ("_relu" if self.relu else "")
+        epi = ("_bias" if self.bias else "") + (
+            "" if self.activation == "none" else f"_{self.activation}"
+        )
         g = f"_g{self.groups}" if self.groups != 1 else ""
         return (
             f"conv2d_{self.dtype}_c{self.c}_k{self.k}_{self.r}x{self.s}_in{self.h}x{self.w}"
@@ -111,7 +150,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
     input in the accumulation dtype, zero-padded (the schedule inlines it when there is
     nothing to pad or convert); "w_pack" the weight in the accumulation dtype (for
     "blocked", packed by channel blocks, zeros past K); "acc" the reduction over (c, r, s) from zero;
-    "out" adds the bias once, applies relu once to the final sum and casts back. The bias is
+    "out" adds the bias once, applies the activation once to the final sum and casts back. The bias is
     not the reduction's init because TVM 0.27 drops non-constant inits in some schedule
     primitives (see ``kernels/gemm.py``).
     """
@@ -202,8 +241,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         v = acc_at(b, k, i, j)
         if spec.bias:
             v = v + bias[k].astype(acc)
-        if spec.relu:
-            v = epilogue.relu(v, acc)
+        v = activate(spec.activation, v, acc, spec.device)
         return v.astype(spec.dtype)
 
     out = te.compute((n, spec.k, oh, ow), final, name="out")
