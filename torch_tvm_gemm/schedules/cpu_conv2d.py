@@ -15,9 +15,10 @@ Parallel over tasks of (a chunk of images, a channel block[, a chunk of rows]), 
 into a task-local buffer (``kb * C * R * S`` values: it stays in L2 while the task runs), so
 the pack is spread over the threads and never makes a round trip through memory. Measured
 (1 thread, CPU time, Intel Xeon, ResNet-50 layers, batch 1 and 8, against the kernel fed a
-weight packed beforehand by torch): the in-kernel pack costs 0-5% where the torch pack cost
-5-100% (512 -> 512 channels 3x3 at 7x7, batch 1: 1.50 ms with the pack inside vs 1.56 ms
-for the kernel alone and 3.17 ms with the torch pack).
+weight packed beforehand by torch, the order of before): with the pack inside, -13% to +15%
+against that kernel alone (the new task order reuses caches better); with the torch pack
+before it, up to +126% (512 -> 512 channels 3x3 at 7x7, batch 1: 1.61 ms with the pack
+inside, 1.62 ms for the kernel alone, 3.51 ms with the torch pack).
 
 "direct" (other groups, e.g. depthwise): one output channel at a time, vectorised along
 the output width; correct for any geometry, not tuned.
