@@ -204,7 +204,8 @@ def test_torch_compile_fullgraph():
 
 
 def test_packed_weight_follows_updates():
-    """The packed-weight cache sees in-place updates, .data swaps and new tensors."""
+    """The kernel packs the weight at every call: in-place updates, .data swaps and new
+    tensors are all seen."""
     x, w, b = randn(2, 16, 8, 8), randn(32, 16, 3, 3), randn(32)
     assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, 1, 1), k=144)
     w.mul_(-0.5)  # in place: bumps the version
@@ -216,3 +217,31 @@ def test_packed_weight_follows_updates():
     with torch.inference_mode():
         wi = randn(32, 16, 3, 3)
         assert_close(op(x, wi, b, [1, 1], [1, 1]), reference(x, wi, b, 1, 1), k=144)
+
+
+# How the blocked kernel splits its parallel tasks (schedules/cpu_conv2d.blocked_tasks): a
+# chunk of images per task that the batch does not fill evenly (3 of 64, 70 = 64 + 6), a
+# chunk of rows that does not divide the output height (47 = 24 + 23), K not a whole number
+# of channel blocks (the packed block's missing channels are zeros, never stored).
+TASK_CASES = [
+    ((3, 16, 9, 9, 24), lambda images, rows: images > 3),
+    ((70, 16, 9, 9, 24), lambda images, rows: images < 70),
+    ((2, 64, 47, 47, 40), lambda images, rows: images == 1 and 47 % rows),
+]
+
+
+@pytest.mark.parametrize("case, split", TASK_CASES, ids=["images-3", "images-70", "rows-47"])
+def test_blocked_task_edges(case, split):
+    from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
+    from torch_tvm_gemm.schedules.cpu_conv2d import blocked_tasks, blocked_tile
+    from torch_tvm_gemm.target import host_cpu
+
+    n, c, h, w, k = case
+    spec = Conv2dSpec("float32", c, k, 3, 3, h, w, padding=(1, 1))
+    assert blocked_tile(spec, host_cpu()) is not None
+    assert split(*blocked_tasks(spec, host_cpu()))
+    x, wt, b = randn(n, c, h, w), randn(k, c, 3, 3), randn(k)
+    assert_close(op(x, wt, b, [1, 1], [1, 1]), reference(x, wt, b, 1, 1), k=c * 9)
+    # a weight with a non-contiguous layout is read as the same values
+    wt_t = wt.transpose(2, 3).contiguous().transpose(2, 3)
+    assert torch.equal(op(x, wt_t, b, [1, 1], [1, 1]), op(x, wt, b, [1, 1], [1, 1]))

@@ -78,18 +78,21 @@ def conv2d_bias_relu(
     dilation: int | tuple[int, int] = 1,
     groups: int = 1,
     relu: bool = True,
+    activation: str | None = None,
 ) -> Tensor:
     """``F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))`` in one kernel.
 
     ``x`` is ``(N, C, H, W)``, ``weight`` ``(K, C/groups, R, S)``, ``bias`` ``(K,)`` or None;
-    ``relu=False`` gives the plain conv. Any groups (depthwise included). The bias is added
-    once to the final sum, then relu. Dtypes float32, float64, bfloat16, float16 (the narrow
-    ones accumulate in float32). Differentiable; works under ``torch.compile``.
+    ``relu=False`` gives the plain conv. ``activation``, when given, replaces ``relu``: one of
+    ``"none"``, ``"relu"``, ``"relu6"`` (MobileNetV2), ``"hardswish"`` (MobileNetV3),
+    ``"silu"`` (EfficientNet). Any groups (depthwise included). The bias is added once to
+    the final sum, then the activation. Dtypes float32, float64, bfloat16, float16 (the
+    narrow ones accumulate in float32). Differentiable; works under ``torch.compile``.
     """
 
     def pair(v):
         return [v, v] if isinstance(v, int) else list(v)
 
     return torch.ops.tvm_gemm.conv2d_bias_relu(
-        x, weight, bias, pair(stride), pair(padding), pair(dilation), groups, relu
+        x, weight, bias, pair(stride), pair(padding), pair(dilation), groups, relu, activation
     )

@@ -1,4 +1,5 @@
-"""``TVMConv2dBN``: a Conv2d followed by an eval-mode BatchNorm2d (and optionally a ReLU) as
+"""``TVMConv2dBN``: a Conv2d followed by an eval-mode BatchNorm2d (and optionally an
+activation: ReLU, ReLU6, hardswish, SiLU) as
 one TVM conv, with the BN folded into the conv's weight and bias.
 
 The conv and BN stay the model's (they are not submodules here, so nothing is duplicated in
@@ -12,10 +13,10 @@ as plain torch ops.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .fusion import CONV_OP, conv_padding
+from .kernels.conv2d import torch_activation
 
 
 def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
@@ -30,9 +31,12 @@ def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
 
 
 class TVMConv2dBN(nn.Module):
-    """``relu?(bn(conv(x)))`` for an eval-mode ``bn``, one ``tvm_gemm.conv2d_bias_relu`` call."""
+    """``act(bn(conv(x)))`` for an eval-mode ``bn``, one ``tvm_gemm.conv2d_bias_relu`` call.
 
-    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> None:
+    ``activation``: "relu", "relu6", "hardswish", "silu" or "none" (True / False: relu / none).
+    """
+
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, activation: str | bool) -> None:
         super().__init__()
         padding = conv_padding(conv)
         if padding is None:
@@ -42,10 +46,17 @@ class TVMConv2dBN(nn.Module):
             )
         # Plain attributes, not submodules: the model owns (and saves) them.
         self.__dict__["sources"] = (conv, bn)
-        self.relu = relu
+        if isinstance(activation, bool):
+            activation = "relu" if activation else "none"
+        torch_activation(activation)  # (a KeyError names an unknown one)
+        self.activation = activation
         self.padding = list(padding)
         self._key: tuple | None = None
         self._folded: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def relu(self) -> bool:
+        return self.activation == "relu"
 
     def _tensors(self) -> list[Tensor]:
         conv, bn = self.sources
@@ -71,8 +82,7 @@ class TVMConv2dBN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources
         if bn.training:  # switched back to training: batch statistics, no folding
-            y = bn(conv(x))
-            return F.relu(y) if self.relu else y
+            return torch_activation(self.activation)(bn(conv(x)))
         weight, bias = self._weights()
         unbatched = x.dim() == 3
         y = CONV_OP(
@@ -83,10 +93,11 @@ class TVMConv2dBN(nn.Module):
             self.padding,
             list(conv.dilation),
             conv.groups,
-            self.relu,
+            True,
+            self.activation,
         )
         return y.squeeze(0) if unbatched else y
 
     def extra_repr(self) -> str:
         conv, _ = self.sources
-        return f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}, relu={self.relu}"
+        return f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}, activation={self.activation!r}"

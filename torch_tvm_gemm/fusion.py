@@ -1,7 +1,8 @@
-"""Conv2d + bias + ReLU as one TVM kernel: the module, the FX fusion pass, and ``convert``.
+"""Conv2d + bias + activation as one TVM kernel: the module, the FX fusion pass, and ``convert``.
 
-``TVMConv2dBiasReLU`` is an ``nn.Conv2d`` subclass (same parameters, same ``state_dict``
-keys) computed by ``tvm_gemm.conv2d_bias_relu``, optionally with the ReLU that followed it.
+``TVMConv2dBiasReLU`` (in ``conv_module``) is an ``nn.Conv2d`` subclass (same parameters, same ``state_dict``
+keys) computed by ``tvm_gemm.conv2d_bias_relu``, optionally with the activation that followed
+it: ReLU, ReLU6, hardswish or SiLU (see ``fusion_activations``), "ReLU" below.
 
 ``fuse_conv_bias_relu(model)`` traces the model with ``torch.fx.symbolic_trace`` and rewrites
 three patterns into the fused op, leaving everything else alone:
@@ -31,86 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from .conv_module import CONV_OP, TVMConv2dBiasReLU, conv_padding
+from .fusion_activations import conv_activation_of
+
 log = logging.getLogger("torch_tvm_gemm")
-
-CONV_OP = torch.ops.tvm_gemm.conv2d_bias_relu
-
-
-def conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
-    """The conv's padding as two ints, or None where the op cannot express it."""
-    if conv.padding_mode != "zeros":
-        return None
-    if conv.padding == "valid":
-        return (0, 0)
-    if conv.padding == "same":  # symmetric only: total padding dilation * (k - 1) even
-        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
-        return None if any(t % 2 for t in total) else (total[0] // 2, total[1] // 2)
-    return tuple(conv.padding)
-
-
-class TVMConv2dBiasReLU(nn.Conv2d):
-    """``nn.Conv2d`` (optionally followed by ``nn.ReLU``) computed by one TVM kernel.
-
-    Build it with ``from_conv(conv, relu=True)``: it shares ``conv``'s parameters, and its
-    ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so checkpoints load both ways.
-    Supports ``padding_mode="zeros"`` with int / tuple / "valid" / symmetric "same" padding.
-    """
-
-    def __init__(self, *args, relu: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.relu = relu
-        self._op_padding = self._checked_padding()
-
-    def _checked_padding(self) -> tuple[int, int]:
-        padding = conv_padding(self)
-        if padding is None:
-            raise ValueError(
-                f"TVMConv2dBiasReLU: padding={self.padding!r}, padding_mode="
-                f"{self.padding_mode!r} is not supported (zero padding, symmetric only)"
-            )
-        return padding
-
-    @classmethod
-    def from_conv(cls, conv: nn.Conv2d, relu: bool = True) -> TVMConv2dBiasReLU:
-        """A TVMConv2dBiasReLU sharing ``conv``'s parameters (no copy)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        for name in (
-            "in_channels",
-            "out_channels",
-            "kernel_size",
-            "stride",
-            "padding",
-            "dilation",
-            "transposed",
-            "output_padding",
-            "groups",
-            "padding_mode",
-        ):
-            setattr(new, name, getattr(conv, name))
-        new.weight, new.bias = conv.weight, conv.bias
-        new.relu = relu
-        new._op_padding = new._checked_padding()
-        new.train(conv.training)
-        return new
-
-    def forward(self, x: Tensor) -> Tensor:
-        unbatched = x.dim() == 3  # as nn.Conv2d: (C, H, W) is one image
-        y = CONV_OP(
-            x.unsqueeze(0) if unbatched else x,
-            self.weight,
-            self.bias,
-            list(self.stride),
-            list(self._op_padding),
-            list(self.dilation),
-            self.groups,
-            self.relu,
-        )
-        return y.squeeze(0) if unbatched else y
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", relu={self.relu}"
-
 
 # --- the FX pass ----------------------------------------------------------------------------
 
@@ -134,7 +59,6 @@ class FusionResult(NamedTuple):
     summary: FusionSummary
 
 
-_RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
 _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 _VIEW_METHODS = {"reshape", "view", "unsqueeze"}
 _VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, operator.getitem}
@@ -161,12 +85,9 @@ class _Graph:
         mod = self.modules.get(node.target)
         return mod if type(mod) is kind else None
 
-    def is_relu(self, node: fx.Node) -> bool:
-        if node.op == "call_module":
-            return self.module(node, nn.ReLU) is not None
-        if node.op == "call_function":
-            return node.target in _RELU_FUNCTIONS and len(node.args) in (1, 2)  # (x, inplace)
-        return node.op == "call_method" and node.target in ("relu", "relu_")
+    def activation(self, node: fx.Node | None) -> str | None:
+        """The conv epilogue ``node`` is (relu, relu6, hardswish, silu), or None."""
+        return None if node is None else conv_activation_of(node, self.modules)
 
     def attr(self, target: str) -> Tensor:
         value = self.gm
@@ -298,7 +219,7 @@ def _out_channels(g: _Graph, conv: _Conv) -> int | None:
     return g.attr(w.target).shape[0] if w is not None and w.op == "get_attr" else None
 
 
-def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool = True) -> TVMConv2dBiasReLU:
+def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, activation: str = "relu") -> TVMConv2dBiasReLU:
     """A fused module whose weight and bias have the eval-mode BN folded in (in float64)."""
     with torch.no_grad():
         var, mean = bn.running_var.double(), bn.running_mean.double()
@@ -309,7 +230,7 @@ def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool = True) -> TVMConv2
         dtype = conv.weight.dtype
         weight = (conv.weight.double() * scale.view(-1, 1, 1, 1)).to(dtype)
         bias = ((bias - mean) * scale + beta).to(dtype)
-    fused = TVMConv2dBiasReLU.from_conv(conv, relu=relu)
+    fused = TVMConv2dBiasReLU.from_conv(conv, activation=activation)
     fused.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
     fused.bias = nn.Parameter(bias, requires_grad=conv.weight.requires_grad)
     return fused
@@ -338,12 +259,13 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
     user = _next(g, conv.node, passed)
     if user is None:
         last = passed[-1] if passed else conv.node
-        if any(g.is_relu(u) or g.module(u, nn.BatchNorm2d) for u in last.users):
+        if any(g.activation(u) or g.module(u, nn.BatchNorm2d) for u in last.users):
             raise _Skip(f"{conv.node.name}: conv output has {len(last.users)} users")
         return None
     # 1. conv -> relu
-    if g.is_relu(user):
-        return _fuse_with_bias(g, conv, user, [user, *reversed(passed), conv.node], None, "relu")
+    act = g.activation(user)
+    if act is not None:
+        return _fuse_with_bias(g, conv, user, [user, *reversed(passed), conv.node], None, act, act)
     # 3. conv -> batchnorm [-> relu]
     bn = g.module(user, nn.BatchNorm2d)
     if bn is not None:
@@ -353,13 +275,14 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
             raise _Skip(f"{conv.node.name}: conv or BN module called more than once")
         after: list[fx.Node] = []
         relu = _next(g, user, after)
-        if relu is None or not g.is_relu(relu):
-            # No ReLU: the folded conv runs without one; what follows stays as it was.
-            act = "" if relu is None else _activation_note(g, relu)
-            _swap_module(g, conv.node.target, g.fold(conv.module, bn, False))
+        act = g.activation(relu)
+        if act is None:
+            # No activation: the folded conv runs without one; what follows stays as it was.
+            note = "" if relu is None else _activation_note(g, relu)
+            _swap_module(g, conv.node.target, g.fold(conv.module, bn, "none"))
             _replace(g, user, conv.node, [user])
-            return f"{conv.node.name} -> {user.name} (folded){act}"
-        _swap_module(g, conv.node.target, g.fold(conv.module, bn, True))
+            return f"{conv.node.name} -> {user.name} (folded){note}"
+        _swap_module(g, conv.node.target, g.fold(conv.module, bn, act))
         _replace(g, relu, conv.node, [relu, *reversed(after), user, *reversed(passed)])
         return f"{conv.node.name} -> {user.name} (folded) -> {relu.name}"
     # 2. conv(bias=None) -> add(bias view) -> relu
@@ -367,7 +290,8 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
         user.target in _ADD_FUNCTIONS or user.target in ("add", "add_")
     ):
         relu = _sole_user(user)
-        if relu is None or not g.is_relu(relu) or conv.has_bias or user.kwargs or passed:
+        act = g.activation(relu)
+        if act is None or conv.has_bias or user.kwargs or passed:
             return None
         if len(user.args) != 2:
             return None
@@ -379,13 +303,13 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
             raise _Skip(f"{conv.node.name}: added tensor {other.name} is not a (1, C, 1, 1) bias")
         with g.gm.graph.inserting_before(user):
             flat = g.gm.graph.call_method("reshape", (other, (-1,)))
-        return _fuse_with_bias(g, conv, relu, [relu, user, conv.node], flat, "add+relu")
+        return _fuse_with_bias(g, conv, relu, [relu, user, conv.node], flat, f"add+{act}", act)
     return None
 
 
 def _activation_note(g: _Graph, node: fx.Node) -> str:
     """Says that an activation after a folded conv stays a separate op (the conv op fuses
-    ReLU only)."""
+    relu, relu6, hardswish and silu only)."""
     if node.op == "call_module":
         name = type(g.modules.get(node.target)).__name__
     elif node.op in ("call_function", "call_method"):
@@ -394,20 +318,21 @@ def _activation_note(g: _Graph, node: fx.Node) -> str:
         return ""
     if name.lower() in ("add", "add_", "iadd", "cat", "mul", "getitem"):
         return ""
-    return f"; {name} after it is not fused (the conv op fuses ReLU only)"
+    return f"; {name} after it is not fused (the conv op fuses ReLU, ReLU6, hardswish, SiLU)"
 
 
 class _Skip(Exception):
     pass
 
 
-def _fuse_with_bias(g, conv: _Conv, last, dead, bias_node, what: str) -> str:
-    """Replace the nodes ``dead`` (ending in ``last``) by one call of the fused op."""
+def _fuse_with_bias(g, conv: _Conv, last, dead, bias_node, what: str, act: str) -> str:
+    """Replace the nodes ``dead`` (ending in ``last``) by one call of the fused op with the
+    epilogue ``act``."""
     if conv.module is not None and bias_node is None:
         # A conv module and its own bias: swap in the fused module (same parameters).
         if g.calls[conv.node.target] != 1:
             raise _Skip(f"{conv.node.name}: Conv2d module called more than once")
-        _swap_module(g, conv.node.target, TVMConv2dBiasReLU.from_conv(conv.module, relu=True))
+        _swap_module(g, conv.node.target, TVMConv2dBiasReLU.from_conv(conv.module, activation=act))
         _replace(g, last, conv.node, dead[:-1])
         return f"{conv.node.name} -> {last.name}"
     graph = g.gm.graph
@@ -418,7 +343,8 @@ def _fuse_with_bias(g, conv: _Conv, last, dead, bias_node, what: str) -> str:
         bias = bias_node if bias_node is not None else conv.bias
         fused = graph.call_function(
             CONV_OP,
-            (conv.x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, True),
+            (conv.x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+            + (True, None if act == "relu" else act),
         )
     _replace(g, last, fused, dead)
     return f"{conv.node.name} -> {what} ({last.name})"

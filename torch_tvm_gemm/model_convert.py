@@ -5,7 +5,8 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
 
 1. It looks for the largest submodules that ``torch.fx`` can trace, top down: a module that
    traces is a *region*; for one that does not, its children are tried. Inside a region,
-   conv -> (BN) -> ReLU chains become one ``tvm_gemm.conv2d_bias_relu`` call and a linear
+   conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU) become one
+   ``tvm_gemm.conv2d_bias_relu`` call and a linear
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
    ``tvm_gemm.linear`` call with that activation.
 2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
@@ -288,8 +289,8 @@ def _fuse_linears(gm: fx.GraphModule, allowed: Callable[[str], bool], records: d
 # --- convert --------------------------------------------------------------------------------
 
 
-def _live_fold(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> nn.Module:
-    return TVMConv2dBN(conv, bn, relu)
+def _live_fold(conv: nn.Conv2d, bn: nn.BatchNorm2d, activation: str) -> nn.Module:
+    return TVMConv2dBN(conv, bn, activation)
 
 
 def _convert_region(module, fqn, allowed, summary, records) -> None:

@@ -72,7 +72,8 @@ def _describe_conv(key: dict) -> tuple[str, str]:
         a, b = key.get(name) or (default, default)
         return str(a) if a == b else f"{a}x{b}"
 
-    epi = (" +bias" if key.get("bias") else "") + (" +relu" if key.get("relu") else "")
+    act = key.get("activation") or ("relu" if key.get("relu") else "none")
+    epi = (" +bias" if key.get("bias") else "") + ("" if act == "none" else f" +{act}")
     groups = f" g{key['groups']}" if key.get("groups", 1) != 1 else ""
     op = f"conv2d {key.get('r', '?')}x{key.get('s', '?')}{groups}{epi}"
     geo = f"s{pair('stride', 1)} p{pair('padding', 0)}"

@@ -12,7 +12,8 @@ Each op is built for each M range of ``--variants`` (default both: ``gemv``, sma
 ``gemm``, any larger M), as the op would pick its kernel there (``ops.gemm_spec``): a B of
 fewer than 4096 elements has no gemv kernel, so it gets one kernel. A conv2d + bias + relu kernel (groups 1, any batch) is
 ``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
-(padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``; e.g.
+(padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``, or an activation in place
+of relu: ``relu6``, ``hardswish``, ``silu``; e.g.
 ``conv2d:float16:64:64:3x3:56x56:p1``. A GPU process loads the pack with
 ``TVM_GEMM_PACK=pack/`` (runtime only).
 """
@@ -101,10 +102,12 @@ def parse_conv_op(text: str):
             raise ValueError
         (r, s), (h, w) = pair(parts[4]), pair(parts[5])
         geometry = {"s": (1, 1), "p": (0, 0), "d": (1, 1)}
-        flags = set()
+        flags, activation = set(), None
         for option in parts[6:]:
             if option in ("nobias", "norelu"):
                 flags.add(option)
+            elif option in ("relu6", "hardswish", "silu"):  # (before "sN": "silu")
+                activation = option
             elif option[:1] in geometry:
                 geometry[option[0]] = pair(option[1:])
             else:
@@ -123,11 +126,12 @@ def parse_conv_op(text: str):
             bias="nobias" not in flags,
             relu="norelu" not in flags,
             device="cuda",
+            activation=activation,
         )
     except ValueError:
         raise SystemExit(
             f"compile: bad conv {text!r}; expected conv2d:DTYPE:C:K:RxS:HxW[:sN][:pN][:dN]"
-            "[:nobias][:norelu], e.g. conv2d:float16:64:64:3x3:56x56:p1"
+            "[:nobias][:norelu|relu6|hardswish|silu], e.g. conv2d:float16:64:64:3x3:56x56:p1"
         ) from None
 
 

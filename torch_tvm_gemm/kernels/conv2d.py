@@ -1,4 +1,6 @@
-"""The math of the conv2d kernels: ``out = relu(conv2d(x, weight) + bias)``, in TensorIR (TE).
+"""The math of the conv2d kernels: ``out = act(conv2d(x, weight) + bias)``, in TensorIR (TE).
+
+``act`` is one of ``ACTIVATIONS`` (``relu`` by default, as the op's name says).
 
 No schedule here (see ``schedules/cpu_conv2d.py``). Layouts are torch's: ``x (N, C, H, W)``,
 ``weight (K, C/groups, R, S)``, ``bias (K,)``, ``out (N, K, OH, OW)``, all contiguous.
@@ -11,14 +13,13 @@ resolution, so this costs one build per (layer shape, input resolution).
 
 Two variants of the math, chosen by the schedule:
 
-* "blocked" (``k_block`` set): NCHWc-style. The kernel takes the weight packed into
-  ``[ceil(K/kb), C/groups, R, S, kb]`` in the accumulation dtype (``pack_weight``), so a
+* "blocked" (``k_block`` set): NCHWc-style. The kernel packs the weight into
+  ``[ceil(K/kb), C/groups, R, S, kb]`` in the accumulation dtype (stage "w_pack"), so a
   block of ``kb`` output channels is one run of vectors; the accumulator is laid out
   ``(N, K/kb, OH, OW, kb)``. Needs each block of ``kb`` output channels to lie inside one
-  group (``kb`` divides ``K/groups``, or groups == 1). The packing is not in the kernel
-  (there, packing a 512x512x3x3 weight cost as much as the convolution itself at batch 1:
-  its strided reads conflict in L1); the caller packs with torch at every call (a cached
-  pack would go stale on writes no version counter sees, see ops/conv_ops.py ``_packed_weight``).
+  group (``kb`` divides ``K/groups``, or groups == 1). The pack is a stage of the kernel, at
+  every call (a pack kept across calls would go stale on writes that no version counter
+  sees): the schedule packs one block per parallel task into a buffer that stays in cache.
 * "direct" (``k_block`` None): one output channel at a time, any groups (e.g. depthwise).
 """
 
@@ -29,6 +30,35 @@ from dataclasses import asdict, dataclass
 from . import epilogue
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+# The conv's epilogues: ReLU, and those of MobileNetV2 (relu6), MobileNetV3 (hardswish) and
+# EfficientNet (silu).
+ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu")
+
+
+def torch_activation(name: str):
+    """The torch function of a conv epilogue (the reference of tests, autograd's formulas)."""
+    import torch.nn.functional as F
+
+    return {
+        "none": lambda t: t,
+        "relu": F.relu,
+        "relu6": F.relu6,
+        "hardswish": F.hardswish,
+        "silu": F.silu,
+    }[name]
+
+
+def activate(name: str, v, dtype: str, device: str):
+    """The epilogue ``name`` on the TIR value ``v`` (applied once, to the final sum)."""
+    if name == "relu":
+        return epilogue.relu(v, dtype)
+    if name == "relu6":
+        return epilogue.relu6(v, dtype)
+    if name == "hardswish":
+        return epilogue.hardswish(v, dtype)
+    if name == "silu":
+        return epilogue.silu(v, dtype, device)
+    return v
 
 
 @dataclass(frozen=True)
@@ -47,14 +77,20 @@ class Conv2dSpec:
     dilation: tuple[int, int] = (1, 1)
     groups: int = 1
     bias: bool = True
-    relu: bool = True
+    relu: bool = True  # the epilogue when ``activation`` is None: "relu" or "none"
     device: str = "cpu"
+    activation: str | None = None  # one of ACTIVATIONS; replaces ``relu`` when given
 
     family = "conv2d"
 
     def __post_init__(self) -> None:
         # Internal invariants: user input is validated in ops/checks.py before a spec is made.
+        if self.activation is None:  # (frozen: normalized here, so that equal specs are equal)
+            object.__setattr__(self, "activation", "relu" if self.relu else "none")
+        object.__setattr__(self, "relu", self.activation == "relu")
         if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"bad Conv2dSpec {self}")
+        if self.activation not in ACTIVATIONS:
             raise ValueError(f"bad Conv2dSpec {self}")
         if self.out_h < 1 or self.out_w < 1:
             raise ValueError(f"bad Conv2dSpec {self} (empty output)")
@@ -79,7 +115,9 @@ class Conv2dSpec:
             f"{tag}{a}x{b}"
             for tag, (a, b) in (("s", self.stride), ("p", self.padding), ("d", self.dilation))
         )
-        epi = ("_bias" if self.bias else "") + ("_relu" if self.relu else "")
+        epi = ("_bias" if self.bias else "") + (
+            "" if self.activation == "none" else f"_{self.activation}"
+        )
         g = f"_g{self.groups}" if self.groups != 1 else ""
         return (
             f"conv2d_{self.dtype}_c{self.c}_k{self.k}_{self.r}x{self.s}_in{self.h}x{self.w}"
@@ -95,20 +133,6 @@ def _ceil_to(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def pack_weight(weight, k_block: int, acc_dtype):
-    """The "blocked" kernels' weight layout, made with torch: ``(K, Cg, R, S)`` ->
-    ``(ceil(K/kb), Cg, R, S, kb)`` in ``acc_dtype``; padded channels are zeros (never stored).
-    """
-    import torch
-
-    k = weight.shape[0]
-    w = weight.to(acc_dtype)
-    pad = -k % k_block
-    if pad:
-        w = torch.cat([w, w.new_zeros((pad, *w.shape[1:]))])
-    return w.view(-1, k_block, *w.shape[1:]).permute(0, 2, 3, 4, 1).contiguous()
-
-
 def padded_input_width(spec: Conv2dSpec, ow_tile: int) -> int:
     """Width of the input the reduction reads when the output width is padded to ``ow_tile``."""
     owp = _ceil_to(spec.out_w, ow_tile)
@@ -122,11 +146,11 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
     (the schedule's register tile), so the micro-kernel has no bounds check; the extra
     columns read the zero-padded input and are never stored. ``k_block``: see the module doc.
 
-    Arguments: ``(x, weight, [bias,] out)``, where for "blocked" ``weight`` is the packed
-    weight (see ``pack_weight``). Stages: "x_pad" is the input in the accumulation dtype,
-    zero-padded (the schedule inlines it when there is nothing to pad or convert); "w_pack"
-    (direct only) the weight in the accumulation dtype; "acc" the reduction over (c, r, s) from zero;
-    "out" adds the bias once, applies relu once to the final sum and casts back. The bias is
+    Arguments: ``(x, weight, [bias,] out)``, all in torch's layouts. Stages: "x_pad" is the
+    input in the accumulation dtype, zero-padded (the schedule inlines it when there is
+    nothing to pad or convert); "w_pack" the weight in the accumulation dtype (for
+    "blocked", packed by channel blocks, zeros past K); "acc" the reduction over (c, r, s) from zero;
+    "out" adds the bias once, applies the activation once to the final sum and casts back. The bias is
     not the reduction's init because TVM 0.27 drops non-constant inits in some schedule
     primitives (see ``kernels/gemm.py``).
     """
@@ -181,9 +205,19 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         if spec.groups > 1 and kg % kb:
             raise ValueError(f"k_block {kb} must divide K/groups = {kg}")
         blocks_per_group = kg // kb if spec.groups > 1 else 1
-        # Packed by the caller (ops/conv_ops.py, at every call, see ``pack_weight``).
-        w_pack = te.placeholder((kp // kb, cg, spec.r, spec.s, kb), acc, name="w_packed")
-        weight = w_pack
+
+        # The packed weight is a stage of the kernel, read from torch's layout at every
+        # call; the schedule packs one block of ``kb`` output channels per parallel task.
+        def packed(ko, c, i, j, ki):
+            k = ko * kb + ki
+            if kp == spec.k:
+                return weight[k, c, i, j].astype(acc)
+            kk = te.min(k, spec.k - 1)  # clamped: the masked read stays in bounds
+            return tirx.if_then_else(
+                k < spec.k, weight[kk, c, i, j].astype(acc), tirx.const(0, acc)
+            )
+
+        w_pack = te.compute((kp // kb, cg, spec.r, spec.s, kb), packed, name="w_pack")
 
         def chan(ko, c):  # the input channel of reduction step c for output block ko
             if spec.groups == 1:
@@ -207,8 +241,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         v = acc_at(b, k, i, j)
         if spec.bias:
             v = v + bias[k].astype(acc)
-        if spec.relu:
-            v = epilogue.relu(v, acc)
+        v = activate(spec.activation, v, acc, spec.device)
         return v.astype(spec.dtype)
 
     out = te.compute((n, spec.k, oh, ow), final, name="out")

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import math
 
-from . import epilogue
-from .conv2d import Conv2dSpec
+from .conv2d import Conv2dSpec, activate
 
 
 def load_granule(spec: Conv2dSpec, widest: int) -> int:
@@ -123,8 +122,7 @@ def conv2d_gemm_compute(
         v = acc_t[i, j]
         if spec.bias:
             v = v + bias[j].astype(acc)
-        if spec.relu:  # once, on the final sum
-            v = epilogue.relu(v, acc)
+        v = activate(spec.activation, v, acc, "cuda")  # once, on the final sum
         return v.astype(spec.dtype)
 
     out = te.compute((M, i64(spec.k)), final, name="out")

@@ -1,4 +1,5 @@
-"""The element-wise epilogues of the kernels (relu, gelu, gelu_tanh, silu), with torch's NaN and inf semantics.
+"""The element-wise epilogues of the kernels (relu, relu6, hardswish, gelu, gelu_tanh, silu),
+with torch's NaN and inf semantics.
 
 ``max(x, 0)`` is not ``torch.relu``: LLVM's and CUDA's float max return the number when one
 operand is NaN, so a NaN sum became 0 (hiding a diverging model). ``x < 0 ? 0 : x`` keeps
@@ -14,6 +15,21 @@ def relu(x, dtype: str):
 
     zero = tirx.const(0, dtype)
     return tirx.Select(x < zero, zero, x)
+
+
+def relu6(x, dtype: str):
+    """``F.relu6`` (``hardtanh(x, 0, 6)``): NaN stays NaN, -0.0 stays -0.0, as in torch."""
+    from tvm import tirx
+
+    zero, six = tirx.const(0, dtype), tirx.const(6, dtype)
+    return tirx.Select(x < zero, zero, tirx.Select(x > six, six, x))
+
+
+def hardswish(x, dtype: str):
+    """``F.hardswish``: ``x * relu6(x + 3) / 6`` (as torch: -inf gives NaN, -3 gives -0.0)."""
+    from tvm import tirx
+
+    return x * relu6(x + tirx.const(3, dtype), dtype) / tirx.const(6, dtype)
 
 
 # LLVM has no vector erf or exp: TVM's ``erf`` / ``exp`` become one libm call per element, so

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..kernels.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from ..kernels.gemm import ACTIVATIONS
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -206,6 +207,21 @@ def pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
         ),
     )
     return pair
+
+
+def conv_activation(relu: bool, activation: str | None) -> str:
+    """The conv's epilogue: ``activation`` when given (it replaces ``relu``), else relu or none."""
+    if activation is None:
+        return "relu" if relu else "none"
+    torch._check_value(
+        activation in CONV_ACTIVATIONS,
+        lambda: (
+            f"tvm_gemm.{CONV}: argument 'activation' must be one of "
+            f"{', '.join(CONV_ACTIVATIONS)} "
+            f"(or None: relu decides), got {activation!r}"
+        ),
+    )
+    return activation
 
 
 def check_conv2d(

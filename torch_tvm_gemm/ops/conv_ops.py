@@ -1,4 +1,5 @@
-"""The conv op, ``tvm_gemm::conv2d_bias_relu``: the kernel a call needs
+"""The conv op, ``tvm_gemm::conv2d_bias_relu`` (relu, or the epilogue ``activation`` names):
+the kernel a call needs
 (``conv2d_spec``), the CPU and CUDA impls, the fake kernel and the autograd formulas.
 """
 
@@ -11,12 +12,21 @@ import torch
 from torch import Tensor
 
 from ..func_autograd import register_function_autograd
-from ..kernels.conv2d import Conv2dSpec, pack_weight
+from ..kernels.conv2d import Conv2dSpec, torch_activation
+from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
-from ..schedules.cpu_conv2d import pointwise_as_gemm, weight_block
-from .checks import CONV, DTYPE_NAMES, INT32_MAX, check_conv2d, check_cuda_arch, pair
-from .gemm_ops import aligned, device_name, gemm, sum_tangents
+from ..schedules.cpu_conv2d import pointwise_as_gemm
+from .checks import (
+    CONV,
+    DTYPE_NAMES,
+    INT32_MAX,
+    check_conv2d,
+    check_cuda_arch,
+    conv_activation,
+    pair,
+)
+from .gemm_ops import aligned, device_name, gemm, saveable, sum_tangents
 from .plan import active as active_plan
 from .schemas import LIB
 
@@ -33,9 +43,10 @@ def conv2d_spec(
     groups: int,
     relu: bool,
     device: str | None = None,
+    activation: str | None = None,
 ) -> Conv2dSpec:
     """The kernel a validated call asks for, on ``device`` (default: x's; ``cuda_cases``
-    asks for the CUDA kernel of meta tensors)."""
+    asks for the CUDA kernel of meta tensors); ``activation``, when given, replaces relu."""
     _, c, h, w = x.shape
     k, _, r, s = weight.shape
     return _conv_spec(
@@ -53,6 +64,7 @@ def conv2d_spec(
         bias=bias is not None,
         relu=relu,
         device=device or device_name(x),
+        activation=conv_activation(relu, activation),
     )
 
 
@@ -65,30 +77,36 @@ def _conv2d_impl(
     dilation=(1, 1),
     groups: int = 1,
     relu: bool = True,
+    activation: str | None = None,
 ) -> Tensor:
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    conv_activation(relu, activation)
     if active_plan() is not None:
-        return _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, shape)
+        return _planned_conv2d(
+            x, weight, bias, stride, padding, dilation, groups, relu, activation, shape
+        )
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:  # (no input channels included: check_conv2d)
         return out
-    spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu)
-    if pointwise_as_gemm(spec):
-        return _pointwise_conv(x, weight, bias, relu, out)
+    spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, None, activation)
+    if pointwise_as_gemm(spec) and spec.activation in GEMM_ACTIVATIONS:
+        return _pointwise_conv(x, weight, bias, spec.activation, out)
     kernel = get_kernel(spec)
     sync_threads()
-    kb = weight_block(spec)
-    w_arg = weight.contiguous() if kb is None else _packed_weight(weight, kb, spec.acc_dtype)
-    args = [x.contiguous(), w_arg]
+    # The kernel reads the weight in torch's layout and packs it itself, at every call: no
+    # cache key sees every change of a weight (a write through ``weight.data`` or a numpy
+    # view leaves ``_version`` as it was), and checking a kept pack costs a pass over the
+    # weight, as packing does.
+    args = [x.contiguous(), weight.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
     kernel(*[aligned(t) for t in args], out)  # out: fresh, hence aligned
     return out
 
 
-def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, out: Tensor):
-    """A 1x1 conv as one GEMM per image, ``out[n] = relu(W @ x[n] + bias[:, None])`` over
+def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, out: Tensor):
+    """A 1x1 conv as one GEMM per image, ``out[n] = act(W @ x[n] + bias[:, None])`` over
     the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why)."""
     n, c = x.shape[:2]
     k = weight.shape[0]
@@ -96,37 +114,27 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, 
     pixels = x.contiguous().view(n, c, -1)
     dest = out.view(n, k, -1)
     for i in range(n):
-        gemm(w, pixels[i], "kn", bias, "relu" if relu else "none", out=dest[i], bias_axis="m")
+        gemm(w, pixels[i], "kn", bias, act, out=dest[i], bias_axis="m")
     return out
 
 
-def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, shape):
+def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, activation, shape):
     """Planning mode (ops/plan.py): record the kernels the planned device's impl would ask
     for, and return torch's result. (A grouped conv planned for CUDA records nothing: the
     GPU impl refuses it.)"""
     found = active_plan()
     device = found.device_for(device_name(x))
+    act = conv_activation(relu, activation)
     if math.prod(shape) != 0 and (device == "cpu" or groups == 1):
-        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, device)
-        if device == "cpu" and pointwise_as_gemm(spec):  # run as GEMMs, which plan theirs
+        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, device, act)
+        if device == "cpu" and pointwise_as_gemm(spec) and act in GEMM_ACTIVATIONS:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
-            return _pointwise_conv(x, weight, bias, relu, out)
+            return _pointwise_conv(x, weight, bias, act, out)  # GEMMs, which plan theirs
         found.record(spec)
     if not found.compute:
         return x.new_empty(shape)
     y = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    return torch.relu(y) if relu else y
-
-
-def _packed_weight(weight: Tensor, kb: int, acc_dtype: str) -> Tensor:
-    """``weight`` in the blocked kernels' layout, packed at every call.
-
-    Not cached across calls: no key sees every change of a weight (a write through
-    ``weight.data`` or a numpy view leaves ``_version`` as it was), and checking a cached
-    pack against the weight's content costs a pass over the weight, as packing does. oneDNN
-    reorders the weight of an eager ``F.conv2d`` at every call too.
-    """
-    return pack_weight(weight, kb, getattr(torch, acc_dtype))
+    return torch_activation(act)(y)
 
 
 LIB.impl(CONV, _conv2d_impl, "CPU")
@@ -157,16 +165,21 @@ def _conv2d_cuda_impl(
     dilation=(1, 1),
     groups: int = 1,
     relu: bool = True,
+    activation: str | None = None,
 ) -> Tensor:
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
     if active_plan() is not None:
-        return _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, shape)
+        conv_activation(relu, activation)
+        return _planned_conv2d(
+            x, weight, bias, stride, padding, dilation, groups, relu, activation, shape
+        )
     if groups != 1:
         raise NotImplementedError(
             f"tvm_gemm.{CONV}: argument 'groups' must be 1 on CUDA, got {groups} (grouped "
             "and depthwise convolutions have CPU kernels only; use F.conv2d on the GPU)"
         )
     check_cuda_arch(x)
+    conv_activation(relu, activation)
     n, k, oh, ow = shape
     if max(x.numel(), math.prod(shape), weight.numel()) > INT32_MAX:
         raise ValueError(
@@ -178,10 +191,10 @@ def _conv2d_cuda_impl(
     nhwc = torch.empty((n, oh, ow, k), dtype=x.dtype, device=x.device)
     out = nhwc.permute(0, 3, 1, 2)
     if out.numel() != 0:  # (no input channels: no output channels, see check_conv2d)
-        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, device="cuda")
+        spec = conv2d_spec(x, weight, bias, stride, padding, dilation, 1, relu, "cuda", activation)
         kernel = get_kernel(spec)
         x_nhwc = x.permute(0, 2, 3, 1).contiguous()  # a view of a channels_last x: no copy
-        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _packed_weight)
+        args = [x_nhwc, _weight_krsc(weight)]  # (at every call: see _conv2d_impl)
         if bias is not None:
             args.append(bias.contiguous())
         with torch.cuda.device(x.device):  # (as in gemm: tvm_ffi uses torch's current stream)
@@ -207,42 +220,79 @@ def _conv2d_fake(
     dilation=(1, 1),
     groups: int = 1,
     relu: bool = True,
+    activation: str | None = None,
 ) -> Tensor:
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    conv_activation(relu, activation)
     if _cuda_channels_last(x):
         return x.new_empty(shape, memory_format=torch.channels_last)
     return x.new_empty(shape)
 
 
-_CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True]  # bias ... relu
+_CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True, None]  # bias ... activation
+
+# d act(z) / dz applied to the incoming gradient: from the output where it tells (relu,
+# relu6: the gradient passes where the output is strictly inside the linear range, as in
+# torch), else from the pre-activation z (torch's own backward formulas).
+_OUTPUT_GRADS = {
+    "relu": lambda grad, out: grad * (out > 0),
+    "relu6": lambda grad, out: grad * ((out > 0) & (out < 6)),
+}
+_PRE_ACTIVATION_GRADS = {
+    "hardswish": lambda grad, z: torch.ops.aten.hardswish_backward(grad, z),
+    "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
+}
+
+
+def _conv_args(inputs) -> list:
+    """The op's 9 arguments (trailing ones equal to their defaults may be left out by the
+    dispatcher), the epilogue resolved into the last."""
+    args = (list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :])[:9]
+    args[8] = conv_activation(args[7], args[8])
+    return args
 
 
 def _conv2d_setup(ctx, inputs, output) -> None:
-    # Trailing arguments equal to their defaults may be left out by the dispatcher.
-    x, weight, bias, stride, padding, dilation, groups, relu = (
-        list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :]
-    )[:8]
+    x, weight, bias, stride, padding, dilation, groups, _, act = _conv_args(inputs)
     ctx.geometry = (
         list(pair(CONV, "stride", stride, 1)),
         list(pair(CONV, "padding", padding, 0)),
         list(pair(CONV, "dilation", dilation, 1)),
         groups,
     )
+    ctx.activation = act
     ctx.bias_sizes = None if bias is None else list(bias.shape)
     ctx.x_shape, ctx.w_shape = x.shape, weight.shape
     need_x, need_w = ctx.needs_input_grad[:2]
     # Only what the backward needs (an inference tensor cannot be saved; torch accepts one
-    # where no gradient needs it): dX needs the weight, dW the input, relu's derivative only
-    # the output (the pre-activation is never kept).
-    ctx.save_for_backward(
-        x if need_w else None, weight if need_x else None, output if relu else None
+    # where no gradient needs it): dX needs the weight, dW the input, relu's and relu6's
+    # derivatives the output; hardswish and silu the pre-activation, recomputed in the
+    # backward from x, weight and bias rather than kept alive.
+    if act in _PRE_ACTIVATION_GRADS:
+        ctx.save_for_backward(saveable(x), saveable(weight), saveable(bias), None)
+    else:
+        ctx.save_for_backward(
+            x if need_w else None,
+            weight if need_x else None,
+            None,
+            output if act in _OUTPUT_GRADS else None,
+        )
+
+
+def _pre_activation(x, weight, bias, geometry) -> Tensor:
+    stride, padding, dilation, groups = geometry
+    return torch.ops.tvm_gemm.conv2d_bias_relu(
+        x, weight, bias, stride, padding, dilation, groups, False, "none"
     )
 
 
 def _conv2d_backward(ctx, grad: Tensor):
-    x, weight, output = ctx.saved_tensors
-    if output is not None:
-        grad = grad * (output > 0)
+    x, weight, bias, output = ctx.saved_tensors
+    if ctx.activation in _OUTPUT_GRADS:
+        grad = _OUTPUT_GRADS[ctx.activation](grad, output)
+    elif ctx.activation in _PRE_ACTIVATION_GRADS:
+        z = _pre_activation(x, weight, bias, ctx.geometry)
+        grad = _PRE_ACTIVATION_GRADS[ctx.activation](grad, z)
     # An operand whose values no requested gradient reads is passed as a shape only, as
     # torch.nn.grad.conv2d_input / conv2d_weight do.
     if x is None:
@@ -264,12 +314,12 @@ def _conv2d_backward(ctx, grad: Tensor):
         groups,
         [need_x, need_w, need_b and ctx.bias_sizes is not None],
     )
-    return grad_x, grad_w, grad_b, None, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _conv2d_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, *_):
-    """Forward-mode: conv(dx, W) + conv(x, dW) + db, masked by the ReLU."""
-    x, weight = inputs[0], inputs[1]
+    """Forward-mode: conv(dx, W) + conv(x, dW) + db, through the activation's derivative."""
+    x, weight, bias = inputs[0], inputs[1], inputs[2]
     stride, padding, dilation, groups = ctx.geometry
     conv = torch.nn.functional.conv2d
     parts = []
@@ -280,8 +330,12 @@ def _conv2d_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, *_):
     if tangent_b is not None:
         parts.append(tangent_b.view(1, -1, 1, 1).expand_as(output))
     dz = sum_tangents(parts, output)
-    relu = (list(inputs) + _CONV_DEFAULTS[len(inputs) - 2 :])[7]
-    return dz * (output > 0) if relu else dz
+    act = _conv_args(inputs)[8]
+    if act in _OUTPUT_GRADS:
+        return _OUTPUT_GRADS[act](dz, output)
+    if act in _PRE_ACTIVATION_GRADS:
+        return _PRE_ACTIVATION_GRADS[act](dz, _pre_activation(x, weight, bias, ctx.geometry))
+    return dz
 
 
 register_function_autograd("conv2d_bias_relu", _conv2d_backward, _conv2d_setup, _conv2d_jvp)

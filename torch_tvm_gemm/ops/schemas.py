@@ -9,5 +9,6 @@ LIB.define("matmul(Tensor a, Tensor b) -> Tensor")
 LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None, str activation='none') -> Tensor")
 LIB.define(
     "conv2d_bias_relu(Tensor x, Tensor weight, Tensor? bias, int[2] stride=1, "
-    "int[2] padding=0, int[2] dilation=1, int groups=1, bool relu=True) -> Tensor"
+    "int[2] padding=0, int[2] dilation=1, int groups=1, bool relu=True, "
+    "str? activation=None) -> Tensor"
 )

@@ -2,13 +2,23 @@
 
 "blocked" (groups == 1, or each group a whole number of channel blocks): a direct
 convolution, no im2col. A block of ``kb = nvec * VEC`` output channels is computed together:
-the weight comes packed (by ops/conv_ops.py, at every call) so that, for one (c, r, s), those ``kb`` weights are ``nvec``
+the kernel packs the weight so that, for one (c, r, s), those ``kb`` weights are ``nvec``
 contiguous vectors, and a tile of ``wt`` output positions along the width keeps
 ``wt * nvec`` accumulator vectors in registers for the whole (c, r, s) reduction. Per step:
 ``nvec`` vector loads of weights, ``wt`` broadcasts of input values (an AVX-512 FMA takes the
 broadcast as a memory operand), ``wt * nvec`` FMAs. The output width is padded to a multiple
 of ``wt`` (the extra columns read zeros and are not stored) so the micro-kernel carries no
-bounds check. Parallel over (image, channel block, output row).
+bounds check.
+
+Parallel over tasks of (a chunk of images, a channel block[, a chunk of rows]), see
+``blocked_tasks``: each task first packs its block's weights from torch's ``(K, C, R, S)``
+into a task-local buffer (``kb * C * R * S`` values: it stays in L2 while the task runs), so
+the pack is spread over the threads and never makes a round trip through memory. Measured
+(1 thread, CPU time, Intel Xeon, ResNet-50 layers, batch 1 and 8, against the kernel fed a
+weight packed beforehand by torch, the order of before): with the pack inside, -13% to +15%
+against that kernel alone (the new task order reuses caches better); with the torch pack
+before it, up to +126% (512 -> 512 channels 3x3 at 7x7, batch 1: 1.61 ms with the pack
+inside, 1.62 ms for the kernel alone, 3.51 ms with the torch pack).
 
 "direct" (other groups, e.g. depthwise): one output channel at a time, vectorised along
 the output width; correct for any geometry, not tuned.
@@ -21,7 +31,7 @@ import functools
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 5  # bump when a schedule changes the binary: it is part of the cache key
 
 
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]
@@ -85,12 +95,34 @@ def blocked_tile(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int] | None:
     return best
 
 
-def weight_block(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> int | None:
-    """The packed weight's channel block ``kb`` the kernel for ``spec`` takes, or None when
-    it takes the plain ``(K, C/groups, R, S)`` weight ("direct")."""
-    cpu = cpu or host_cpu()
-    tile = blocked_tile(spec, cpu)
-    return None if tile is None else tile[1] * _vec(spec, cpu)
+# A task of the "blocked" kernel packs one block of output channels' weights and computes
+# them over a chunk of images (and, for large images, of output rows) that stays in L2.
+TASK_PIXELS = 1024  # output pixels per task at least, when a task is a chunk of rows
+
+
+@functools.lru_cache(maxsize=4096)
+def blocked_tasks(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int]:
+    """(images, rows) per parallel task of the "blocked" kernel.
+
+    ``images``: a power of two (so that usual batch sizes split evenly over the threads)
+    such that that many padded input images take at most half of L2: consecutive tasks of
+    a thread run the channel blocks over the same images, which then come from L2, and each
+    task packs its block's weights once for them. ``rows``: the output rows of one task;
+    fewer than the image's when an image has enough pixels to pay for packing a block again
+    (more tasks to balance over the threads).
+    """
+    wt, _ = blocked_tile(spec, cpu)
+    acc_bytes = 8 if spec.acc_dtype == "float64" else 4
+    hp = (spec.out_h - 1) * spec.stride[0] + (spec.r - 1) * spec.dilation[0] + 1
+    image = spec.c * hp * padded_input_width(spec, wt) * acc_bytes
+    images = 1
+    while images * 2 * image <= cpu.l2_bytes // 2 and images < 64:
+        images *= 2
+    rows = spec.out_h
+    if images == 1 and spec.out_h * spec.out_w >= 2 * TASK_PIXELS:
+        chunks = spec.out_h * spec.out_w // TASK_PIXELS
+        rows = -(-spec.out_h // chunks)
+    return images, rows
 
 
 def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
@@ -106,7 +138,7 @@ def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
     else:
         wt, nvec = tile
         sch = s_tir.Schedule(conv2d_compute(spec, ow_tile=wt, k_block=nvec * vec))
-        _schedule_blocked(sch, spec, wt, vec)
+        _schedule_blocked(sch, spec, wt, vec, *blocked_tasks(spec, cpu))
     return sch.mod
 
 
@@ -129,22 +161,48 @@ def _schedule_x_pad(sch, spec: Conv2dSpec, ow_tile: int) -> None:
     sch.parallel(sch.fuse(b, c))
 
 
-def _schedule_blocked(sch, spec: Conv2dSpec, wt: int, vec: int) -> None:
+def _schedule_blocked(sch, spec: Conv2dSpec, wt: int, vec: int, images: int, rows: int) -> None:
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     _schedule_x_pad(sch, spec, wt)
 
     b, ko, i, j, ki, rc, rr, rs = sch.get_loops(acc)
     jo, ji = sch.split(j, [None, wt])
     kio, kii = sch.split(ki, [None, vec])
-    sch.reorder(b, ko, i, jo, rc, rr, rs, ji, kio, kii)
+    bo, bi = sch.split(b, [None, images])
+    if rows < spec.out_h:
+        io, ii = sch.split(i, [None, rows])
+        sch.reorder(bo, ko, io, bi, ii, jo, rc, rr, rs, ji, kio, kii)
+        task = sch.fuse(bo, ko, io)
+    else:
+        sch.reorder(bo, ko, bi, i, jo, rc, rr, rs, ji, kio, kii)
+        task = sch.fuse(bo, ko)
     sch.set_scope(acc, 0, "local")
     sch.reverse_compute_at(out, jo)
-    sch.parallel(sch.fuse(b, ko, i))
+    sch.parallel(task)
     sch.unroll(ji)
     sch.unroll(kio)
     sch.vectorize(kii)
     sch.decompose_reduction(acc, rc)
     _schedule_epilogue(sch, out)
+    _schedule_pack(sch, task)
+
+
+def _schedule_pack(sch, task) -> None:
+    """Pack the task's weight block at the start of the task, by tiles of 16 (c, r, s).
+
+    The block is a ``(kb, C*R*S)`` -> ``(C*R*S, kb)`` transpose. Row by row (reading along
+    C*R*S) every write lands on another cache line; column by column the ``kb`` reads, a
+    multiple of 4 KB apart, fall into a few L1 sets and evict each other. By tiles, the reads
+    run along rows and the writes stay in 16 lines. Measured (1 thread, 512 -> 512 channels
+    3x3 at 7x7, batch 1): tiles 1.56 ms, rows 4.31 ms, columns 1.69 ms.
+    """
+    w_pack = sch.get_sblock("w_pack")
+    sch.compute_at(w_pack, task)
+    *crs_loops, ki = sch.get_loops(w_pack)[1:]  # (c, r, s, ki) under the task loop
+    crs = sch.fuse(*crs_loops) if len(crs_loops) > 1 else crs_loops[0]
+    tile, inner = sch.split(crs, [None, 16])
+    sch.reorder(tile, ki, inner)
+    sch.unroll(inner)
 
 
 def _schedule_epilogue(sch, out) -> None:

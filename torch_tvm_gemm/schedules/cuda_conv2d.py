@@ -37,7 +37,8 @@ def gemm_view(spec: Conv2dSpec) -> GemmSpec:
         k=spec.r * spec.s * spec.c,
         b_layout="nk",
         bias=spec.bias,
-        activation="relu" if spec.relu else "none",
+        # (the schedules choose by shape and dtype: any element-wise epilogue stands for all)
+        activation="none" if spec.activation == "none" else "relu",
         variant="gemm",
         device="cuda",
     )

@@ -1,0 +1,162 @@
+"""FX fusion of conv -> (BN) -> ReLU6 / hardswish / SiLU into the conv op, and convert() on a
+MobileNetV2-style block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+from torch import nn
+
+import torch_tvm_gemm as tg
+from torch_tvm_gemm import TVMConv2dBiasReLU
+from torch_tvm_gemm.fold import TVMConv2dBN
+
+OP = torch.ops.tvm_gemm.conv2d_bias_relu
+
+# Each spelling of each activation, and the epilogue it must become.
+ACTS = {
+    "ReLU6": (nn.ReLU6(), "relu6"),
+    "ReLU6-inplace": (nn.ReLU6(inplace=True), "relu6"),
+    "F.relu6": (F.relu6, "relu6"),
+    "Hardtanh(0,6)": (nn.Hardtanh(0.0, 6.0), "relu6"),
+    "F.hardtanh(0,6)": (lambda t: F.hardtanh(t, 0.0, 6.0), "relu6"),
+    "Hardswish": (nn.Hardswish(), "hardswish"),
+    "F.hardswish": (F.hardswish, "hardswish"),
+    "SiLU": (nn.SiLU(), "silu"),
+    "SiLU-inplace": (nn.SiLU(inplace=True), "silu"),
+    "F.silu": (F.silu, "silu"),
+}
+
+
+class ConvAct(nn.Module):
+    def __init__(self, act, bias=True, bn=False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=bias)
+        self.bn = nn.BatchNorm2d(8) if bn else nn.Identity()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+def _with_stats(model: nn.Module) -> nn.Module:
+    for m in model.modules():  # non-trivial BN statistics, as after training
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def _epilogues(gm) -> list[str]:
+    """The epilogue of every fused conv the traced module runs."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is OP:
+            args = list(node.args) + [True, None][len(node.args) - 7 :]
+            found.append(args[8] or ("relu" if args[7] else "none"))
+        elif node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            if isinstance(mod, (TVMConv2dBiasReLU, TVMConv2dBN)):
+                found.append(mod.activation)
+    return found
+
+
+@pytest.mark.parametrize("bn", [False, True], ids=["conv", "conv-bn"])
+@pytest.mark.parametrize("name", ACTS)
+def test_conv_act_fuses(name, bn):
+    act, epilogue = ACTS[name]
+    model = _with_stats(ConvAct(act, bn=bn))
+    x = 3 * randn(2, 3, 10, 9)  # (values past 6 and below -3: every branch of the epilogues)
+    expected = model(x)
+    gm, summary = tg.fuse_conv_bias_relu(model)
+    assert len(summary.fused) == 1 and not summary.skipped, summary
+    assert _epilogues(gm) == [epilogue]
+    assert_close(gm(x), expected, k=200)
+
+
+@pytest.mark.parametrize("epilogue", ["relu6", "hardswish", "silu"])
+def test_functional_conv_add_bias_act_fuses(epilogue):
+    act = {"relu6": F.relu6, "hardswish": F.hardswish, "silu": F.silu}[epilogue]
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(randn(8, 3, 3, 3))
+            self.b = nn.Parameter(randn(8))
+
+        def forward(self, x):
+            return act(F.conv2d(x, self.w, None, 1, 1) + self.b.view(1, -1, 1, 1))
+
+    model = M()
+    x = 3 * randn(2, 3, 8, 8)
+    gm, summary = tg.fuse_conv_bias_relu(model)
+    assert len(summary.fused) == 1 and f"add+{epilogue}" in summary.fused[0], summary
+    assert _epilogues(gm) == [epilogue]
+    assert_close(gm(x), model(x), k=27)
+
+
+def test_other_hardtanh_bounds_are_not_fused():
+    model = _with_stats(ConvAct(nn.Hardtanh(-1.0, 1.0), bn=True))
+    x = randn(2, 3, 10, 9)
+    gm, summary = tg.fuse_conv_bias_relu(model)
+    assert _epilogues(gm) == ["none"]  # the BN is folded, the Hardtanh stays
+    assert "Hardtanh after it is not fused" in summary.fused[0]
+    assert_close(gm(x), model(x), k=27)
+
+
+def test_fused_module_repr_and_relu_flag():
+    conv = nn.Conv2d(3, 4, 3)
+    fused = TVMConv2dBiasReLU.from_conv(conv, activation="hardswish")
+    assert "activation='hardswish'" in repr(fused) and not fused.relu
+    fused.relu = True
+    assert fused.activation == "relu"
+    with pytest.raises(ValueError, match="activation must be one of"):
+        TVMConv2dBiasReLU.from_conv(conv, activation="gelu")
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand -> BN -> ReLU6, 3x3 depthwise -> BN -> ReLU6, 1x1
+    project -> BN (no activation), plus the residual."""
+
+    def __init__(self, c: int, expand: int = 4) -> None:
+        super().__init__()
+        h = c * expand
+        self.conv = nn.Sequential(
+            nn.Conv2d(c, h, 1, bias=False),
+            nn.BatchNorm2d(h),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(h, h, 3, padding=1, groups=h, bias=False),
+            nn.BatchNorm2d(h),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(h, c, 1, bias=False),
+            nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+def test_mobilenet_v2_block_fused_end_to_end():
+    model = _with_stats(nn.Sequential(InvertedResidual(16), InvertedResidual(16)))
+    x = 3 * randn(2, 16, 12, 12)
+    expected = model(x)
+    gm, summary = tg.fuse_conv_bias_relu(model)
+    assert len(summary.fused) == 6 and not summary.skipped, summary
+    assert _epilogues(gm) == ["relu6", "relu6", "none"] * 2
+    assert not any(isinstance(m, (nn.ReLU6, nn.BatchNorm2d)) for m in gm.modules())
+    assert_close(gm(x), expected, k=600)
+
+    converted = tg.convert(model, inplace=False)  # the live-folding path of convert()
+    layers = converted.conversion_summary.layers
+    assert sum(v.startswith("fused") for v in layers.values()) == 6, layers
+    # (the traced region's graph is kept beside the model, not as a submodule)
+    traced = [
+        m.__dict__["_tvm_traced"].gm for m in converted.modules() if "_tvm_traced" in m.__dict__
+    ]
+    assert [a for gm in traced for a in _epilogues(gm)] == ["relu6", "relu6", "none"] * 2
+    assert_close(converted(x), expected, k=600)

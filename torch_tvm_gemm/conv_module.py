@@ -1,0 +1,110 @@
+"""``TVMConv2dBiasReLU``: an ``nn.Conv2d`` computed with its activation by one TVM kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+CONV_OP = torch.ops.tvm_gemm.conv2d_bias_relu
+
+
+def conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
+    """The conv's padding as two ints, or None where the op cannot express it."""
+    if conv.padding_mode != "zeros":
+        return None
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":  # symmetric only: total padding dilation * (k - 1) even
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
+        return None if any(t % 2 for t in total) else (total[0] // 2, total[1] // 2)
+    return tuple(conv.padding)
+
+
+class TVMConv2dBiasReLU(nn.Conv2d):
+    """``nn.Conv2d`` (optionally followed by ``nn.ReLU``) computed by one TVM kernel.
+
+    Build it with ``from_conv(conv, relu=True)`` (or ``activation="relu6"``, ``"hardswish"``,
+    ``"silu"``, ``"none"``, which replaces ``relu``): it shares ``conv``'s parameters, and its
+    ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so checkpoints load both ways.
+    Supports ``padding_mode="zeros"`` with int / tuple / "valid" / symmetric "same" padding.
+    """
+
+    def __init__(self, *args, relu: bool = True, activation: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.activation = _activation(relu, activation)
+        self._op_padding = self._checked_padding()
+
+    @property
+    def relu(self) -> bool:
+        """Whether the epilogue is ReLU (setting it chooses ReLU or none)."""
+        return self.activation == "relu"
+
+    @relu.setter
+    def relu(self, value: bool) -> None:
+        self.activation = "relu" if value else "none"
+
+    def _checked_padding(self) -> tuple[int, int]:
+        padding = conv_padding(self)
+        if padding is None:
+            raise ValueError(
+                f"TVMConv2dBiasReLU: padding={self.padding!r}, padding_mode="
+                f"{self.padding_mode!r} is not supported (zero padding, symmetric only)"
+            )
+        return padding
+
+    @classmethod
+    def from_conv(
+        cls, conv: nn.Conv2d, relu: bool = True, activation: str | None = None
+    ) -> TVMConv2dBiasReLU:
+        """A TVMConv2dBiasReLU sharing ``conv``'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in (
+            "in_channels",
+            "out_channels",
+            "kernel_size",
+            "stride",
+            "padding",
+            "dilation",
+            "transposed",
+            "output_padding",
+            "groups",
+            "padding_mode",
+        ):
+            setattr(new, name, getattr(conv, name))
+        new.weight, new.bias = conv.weight, conv.bias
+        new.activation = _activation(relu, activation)
+        new._op_padding = new._checked_padding()
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        unbatched = x.dim() == 3  # as nn.Conv2d: (C, H, W) is one image
+        y = CONV_OP(
+            x.unsqueeze(0) if unbatched else x,
+            self.weight,
+            self.bias,
+            list(self.stride),
+            list(self._op_padding),
+            list(self.dilation),
+            self.groups,
+            self.relu,
+            self.activation,
+        )
+        return y.squeeze(0) if unbatched else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", activation={self.activation!r}"
+
+
+def _activation(relu: bool, activation: str | None) -> str:
+    from .kernels.conv2d import ACTIVATIONS
+
+    if activation is None:
+        return "relu" if relu else "none"
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"TVMConv2dBiasReLU: activation must be one of {', '.join(ACTIVATIONS)}, "
+            f"got {activation!r}"
+        )
+    return activation

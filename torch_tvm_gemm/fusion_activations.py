@@ -1,0 +1,53 @@
+"""Which FX nodes are an activation the conv op can fuse, and which one.
+
+ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``,
+``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
+(``nn.Hardswish``, ``F.hardswish``: MobileNetV3) and SiLU (``nn.SiLU``, ``F.silu``:
+EfficientNet), in place or not: the fused op writes a new tensor, and the in-place
+variant's input had no other user (the fusion checks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+_MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.SiLU: "silu"}
+_FUNCTIONS = {
+    F.relu: "relu",
+    torch.relu: "relu",
+    torch.relu_: "relu",
+    F.relu_: "relu",
+    F.relu6: "relu6",
+    F.hardswish: "hardswish",
+    F.silu: "silu",
+}
+_METHODS = {"relu": "relu", "relu_": "relu"}
+_HARDTANH = {F.hardtanh, F.hardtanh_}
+
+
+def conv_activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
+    """The conv epilogue ``node`` computes on its first argument, or None."""
+    if node.op == "call_module":
+        mod = modules.get(node.target)
+        if type(mod) is nn.Hardtanh:
+            return "relu6" if (mod.min_val, mod.max_val) == (0.0, 6.0) else None
+        return _MODULES.get(type(mod)) if len(node.args) == 1 and not node.kwargs else None
+    if node.op == "call_function":
+        if node.target in _HARDTANH:
+            return "relu6" if _hardtanh_bounds(node) == (0.0, 6.0) else None
+        name = _FUNCTIONS.get(node.target)
+        extra = set(node.kwargs) - {"inplace"}
+        return name if name and len(node.args) in (1, 2) and not extra else None  # (x, inplace)
+    if node.op == "call_method" and len(node.args) == 1 and not node.kwargs:
+        return _METHODS.get(node.target)
+    return None
+
+
+def _hardtanh_bounds(node: fx.Node) -> tuple[float, float] | None:
+    names = ["input", "min_val", "max_val", "inplace"]
+    args = {"min_val": -1.0, "max_val": 1.0} | dict(zip(names, node.args, strict=False))
+    args |= node.kwargs
+    bounds = (args["min_val"], args["max_val"])
+    return tuple(map(float, bounds)) if all(isinstance(b, (int, float)) for b in bounds) else None
