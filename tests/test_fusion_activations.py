@@ -160,3 +160,22 @@ def test_mobilenet_v2_block_fused_end_to_end():
     ]
     assert [a for gm in traced for a in _epilogues(gm)] == ["relu6", "relu6", "none"] * 2
     assert_close(converted(x), expected, k=600)
+
+
+def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():
+    conv, bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8).eval()
+    with torch.no_grad():
+        bn.running_var.uniform_(0.5, 2.0)
+    fused = TVMConv2dBN(conv, bn, "relu6")
+    x = randn(2, 3, 9, 9)
+
+    def expected():
+        return F.relu6(bn(conv(x)))
+
+    with torch.no_grad():
+        assert_close(fused(x), expected(), k=200)
+        conv.weight.mul_(2.0)  # counted: the next call refolds by itself
+        assert_close(fused(x), expected(), k=200)
+        bn.running_mean.data.add_(1.0)  # not counted by torch: refold() is the way
+        fused.refold()
+        assert_close(fused(x), expected(), k=200)

@@ -4,8 +4,11 @@ one TVM conv, with the BN folded into the conv's weight and bias.
 
 The conv and BN stay the model's (they are not submodules here, so nothing is duplicated in
 a ``state_dict``); the folded weight and bias are recomputed whenever one of their tensors
-changes (``load_state_dict``, an optimizer step, ``.to()``), so the module never runs on
-stale values. With gradients wanted the fold is done with autograd on every call, so the
+changes through torch (``load_state_dict``, an optimizer step, ``copy_``, ``.to()``: each
+bumps the tensor's version). A write that torch does not count (through ``tensor.data`` or a
+numpy view of it) is not seen: call ``refold()`` after one. (Folding at every call instead
+would cost a pass over the weight per call, as much as the conv's own pack.) With gradients
+wanted the fold is done with autograd on every call, so the
 gradients reach the conv's and BN's own parameters; a BN switched back to training mode runs
 as plain torch ops.
 """
@@ -78,6 +81,11 @@ class TVMConv2dBN(nn.Module):
             self._folded = (weight.contiguous(), bias.contiguous())
             self._key = key
         return self._folded
+
+    def refold(self) -> None:
+        """Fold again at the next call (after writes torch does not count, e.g. through
+        ``.data`` or numpy)."""
+        self._key = self._folded = None
 
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources
