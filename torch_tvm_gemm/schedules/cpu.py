@@ -21,9 +21,10 @@ summed once at the end. At these M, packing the weight on every call costs as mu
 from __future__ import annotations
 
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
+from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 7  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 8  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -61,13 +62,37 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     return 6, 2 * vec, vec  # 12 + 2 + 1 of 16
 
 
+# K blocking of the packed kernel (a static K whose 64-wide panel of B outgrows half the L2):
+# chunks of K_CHUNK values (or a little fewer, to divide K), each chunk's panel packed and
+# used while it is in cache, partial sums added up in memory. Measured: see
+# docs/inference-shapes.md (K = 11008).
+K_CHUNK = 256
+
+
+def k_chunk(spec: GemmSpec, cpu: CpuInfo) -> int | None:
+    """The K chunk of the packed kernel for ``spec``, or None for one pass over all of K."""
+    if spec.batched or spec.variant != "gemm" or spec.k is None or cpu.vector_registers < 32:
+        return None
+    acc_bytes = 8 if spec.acc_dtype == "float64" else 4
+    nr = 4 * (cpu.vector_bytes // acc_bytes)
+    if spec.k * nr * acc_bytes <= cpu.l2_bytes // 2:
+        return None
+    # The fewest padded values of K over chunks that are whole vectors (ties: the longer).
+    return min(range(K_CHUNK, K_CHUNK // 2 - 1, -16), key=lambda kc: -(-spec.k // kc) * kc)
+
+
 def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     """The scheduled IRModule for ``spec`` on this CPU."""
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
     mr, nr, vec = register_tile(spec, cpu)
-    if spec.batched:
+    kc = k_chunk(spec, cpu)
+    if kc is not None:
+        mr, nr = 6, 4 * vec  # the panel is short now: the widest tile
+        sch = s_tir.Schedule(kblocked_gemm_compute(spec, mr, nr, kc))
+        _schedule_packed_kblocked(sch, spec, mr, nr, vec)
+    elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
         _schedule_packed_batched(sch, spec, mr, nr, vec)
     elif spec.variant == "dot":
@@ -122,7 +147,65 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.decompose_reduction(acc, k)
 
 
-def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
+def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+    """The packed schedule over K chunks: per parallel task (a few N panels), for each chunk
+    its piece of the B panels is packed, then every MR x NR tile of that chunk is summed in
+    registers and added into the task's accumulator panel; "out" (bias, activation, cast)
+    runs once per task after the last chunk."""
+    partial, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
+    a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
+    if spec.dtype == spec.acc_dtype:
+        sch.compute_inline(a_pad)
+    else:
+        sch.parallel(sch.get_loops(a_pad)[0])
+    if spec.b_layout == "kn":
+        sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
+    else:
+        sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
+    i, j, c = sch.get_loops(acc)
+    io, ii = sch.split(i, [None, mr])
+    jo, jw, ji = sch.split(j, [None, _panels_per_task(spec, nr), nr])
+    jio, jii = sch.split(ji, [None, vec])
+    # A tile of A (MR x chunk) is read from L1 by every panel of the task.
+    sch.reorder(jo, c, io, jw, ii, jio, jii)
+    sch.parallel(jo)
+    sch.reverse_compute_at(out, jo)
+    sch.compute_at(partial, jw)
+    sch.set_scope(partial, 0, "local")
+    pi, pj, pk = sch.get_loops(partial)[-3:]
+    pjo, pji = sch.split(pj, [None, vec])
+    sch.reorder(pk, pi, pjo, pji)
+    sch.unroll(pi)
+    sch.unroll(pjo)
+    sch.vectorize(pji)
+    sch.decompose_reduction(partial, pk)
+    sch.compute_at(b_pad, c)
+    if spec.b_layout == "nk":
+        # Rows of the weight 16 at a time, each read along the whole chunk: with the chunk's
+        # rows all in flight the prefetchers lost track (measured 1.05x against 0.94x torch).
+        _transpose_in_tiles(sch, b_pad, vec, rows_first=True)
+    sch.unroll(ii)
+    sch.unroll(jio)
+    sch.vectorize(jii)
+    sch.decompose_reduction(acc, c)
+    o_in = sch.split(sch.get_loops(out)[-1], [None, vec])[1]
+    sch.vectorize(o_in)
+
+
+def _panels_per_task(spec: GemmSpec, nr: int) -> int:
+    """N panels per parallel task of the K-blocked kernel: the most (up to PANELS_PER_TASK)
+    that still leave 8 tasks or more, so that two threads get even shares."""
+    panels = -(-spec.n // nr)
+    for w in range(PANELS_PER_TASK, 1, -1):
+        if panels % w == 0 and panels // w >= 8:
+            return w
+    return 1
+
+
+PANELS_PER_TASK = 2
+
+
+def _transpose_in_tiles(sch, b_pad, vec: int, rows_first: bool = False) -> None:
     """Pack a "nk" B (a Linear weight, read along K) into N-contiguous panels by VEC x VEC
     tiles: per tile, VEC vector loads along K, unrolled over VEC rows, which LLVM turns into an
     in-register transpose. Left as one (n, k) loop nest, the pack wrote one float per cache
@@ -130,7 +213,7 @@ def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
     n, k = sch.get_loops(b_pad)[-2:]
     k0, k1 = sch.split(k, [None, vec])
     n0, n1 = sch.split(n, [None, vec])
-    sch.reorder(k0, n0, n1, k1)
+    sch.reorder(*((n0, k0) if rows_first else (k0, n0)), n1, k1)
     sch.unroll(n1)
     sch.vectorize(k1)
 
