@@ -383,7 +383,8 @@ at::Tensor matmul_batched(const at::Tensor& a, const at::Tensor& b, int64_t batc
   if (k == 0) return out.zero_();
   const DtypeInfo& dtype = *find_dtype(a.scalar_type());
   const bool nk = !b.is_contiguous() && b.transpose(1, 2).is_contiguous();
-  const KernelKey key{&dtype, n, -1, nk, false, g_config.none_activation, /*variant gemm*/ 0,
+  // A static K for "nk" (ops._matmul_batched says why), symbolic (-1) for "kn".
+  const KernelKey key{&dtype, n, nk ? k : -1, nk, false, g_config.none_activation, /*variant gemm*/ 0,
                       /*batched=*/true, a.device().type(), c10::DeviceIndex(0)};
   tvm::ffi::Function kernel = lookup_kernel(key);
   sync_threads();
