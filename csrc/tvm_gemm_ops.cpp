@@ -69,6 +69,7 @@ struct Config {
   int64_t gemv_max_m = 0;
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
+  int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
@@ -144,12 +145,12 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 3> kVariants{{"gemm", "gemv", "dot"}};
+constexpr std::array<const char*, 4> kVariants{{"gemm", "gemv", "dot", "dot2"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants.
 int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
-  if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return 2;
+  if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
   return m <= g_config.gemv_max_m && big_b ? 1 : 0;
 }
 
@@ -517,12 +518,14 @@ std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 
 void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot_max_m,
                     const std::vector<std::string>& activations,
-                    const std::vector<std::string>& dtypes, bool autograd_fast_path) {
+                    const std::vector<std::string>& dtypes, bool autograd_fast_path,
+                    int64_t dot2_max_m) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   Config config;
   config.gemv_max_m = gemv_max_m;
   config.gemv_min_b_elements = gemv_min_b_elements;
   config.dot_max_m = dot_max_m;
+  config.dot2_max_m = dot2_max_m;
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -572,7 +575,7 @@ int64_t parallel_launch_address();  // parallel_launch.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
-        py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true,
+        py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"), py::arg("dtypes"), py::arg("autograd_fast_path") = true, py::arg("dot2_max_m") = 0,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

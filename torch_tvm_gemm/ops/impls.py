@@ -18,7 +18,7 @@ import tvm_ffi
 from .. import _ext
 from ..kernels.gemm import ACTIVATIONS, GemmSpec
 from ..runtime.table import get_kernel, on_clear_table
-from ..schedules.cpu import DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
+from ..schedules.cpu import DOT2_MAX_M, DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
 from .checks import DTYPE_NAMES, SUPPORTED_DTYPES
 from .gemm_ops import linear_impl, matmul_impl
 
@@ -120,6 +120,7 @@ def use_impl(path: str) -> str:
             DOT_MAX_M,
             list(ACTIVATIONS),
             [DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
+            dot2_max_m=DOT2_MAX_M,
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]
