@@ -15,7 +15,11 @@ products vectorised along K; layout "kn" broadcasts A and streams rows of B.
 too, as dot products along K, register-blocked: a tile of 4 rows of A by 6 rows of the weight
 keeps 24 vector accumulators, fed per K step by 10 vector loads, and the VEC lanes of each are
 summed once at the end. At these M, packing the weight on every call costs as much as the math
-(docs/inference-shapes.md has the measurements).
+(docs/inference-shapes.md has the measurements). "dot2" is the same kernel with a 2-row tile,
+for M = 2.
+
+A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
+(``kernels/gemm_kblocked.py``).
 """
 
 from __future__ import annotations
