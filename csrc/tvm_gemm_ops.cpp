@@ -49,7 +49,7 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Configuration handed over by ops/impls.py at registration, so that the constants have one home
-// (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS and DOT_MAX_M, kernels/gemm.py ACTIVATIONS,
+// (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, DOT_MAX_M and DOT2_MAX_M, kernels/gemm.py ACTIVATIONS,
 // ops/checks.py SUPPORTED_DTYPES, ops/gemm_ops.py KERNEL_ALIGNMENT).
 
 struct DtypeInfo {
@@ -71,6 +71,7 @@ struct Config {
   int64_t gemv_max_m = 0;
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
+  int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
@@ -148,14 +149,14 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 3> kVariants{{"gemm", "gemv", "dot"}};
+constexpr std::array<const char*, 4> kVariants{{"gemm", "gemv", "dot", "dot2"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
 // error if its variant differs (tests/test_csrc.py sweeps both rules against each other).
 int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
-  if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return 2;
+  if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
   return m <= g_config.gemv_max_m && big_b ? 1 : 0;
 }
 
@@ -391,7 +392,8 @@ at::Tensor matmul_batched(const at::Tensor& a, const at::Tensor& b, int64_t batc
   if (k == 0) return out.zero_();
   const DtypeInfo& dtype = *find_dtype(a.scalar_type());
   const bool nk = !b.is_contiguous() && b.transpose(1, 2).is_contiguous();
-  const KernelKey key{&dtype, n, -1, nk, false, g_config.none_activation, /*variant gemm*/ 0,
+  // A static K for "nk" (ops._matmul_batched says why), symbolic (-1) for "kn".
+  const KernelKey key{&dtype, n, nk ? k : -1, nk, false, g_config.none_activation, /*variant gemm*/ 0,
                       /*batched=*/true, a.device().type(), c10::DeviceIndex(0)};
   tvm::ffi::Function kernel = lookup_kernel(key, m, k);
   sync_threads();
@@ -525,7 +527,7 @@ std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot_max_m,
                     const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
-                    bool autograd_fast_path) {
+                    int64_t dot2_max_m, bool autograd_fast_path) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -534,6 +536,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.gemv_max_m = gemv_max_m;
   config.gemv_min_b_elements = gemv_min_b_elements;
   config.dot_max_m = dot_max_m;
+  config.dot2_max_m = dot2_max_m;
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -592,7 +595,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "C++ impls of the tvm_gemm ops (see csrc/tvm_gemm_ops.cpp)";
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
         py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
-        py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("autograd_fast_path") = true,
+        py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
+        py::arg("autograd_fast_path") = true,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DTYPES, assert_close, randn
+from conftest import DTYPES, assert_close, randn, tolerance
 
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
+from torch_tvm_gemm.schedules.cpu import gemm_variant
 
 REF_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}
 
@@ -71,6 +72,25 @@ def test_linear_every_m_range(m, k, n):
     # gemm), K and N off the 16-wide vectors and the register tiles, M off the row tiles.
     x, w, b = randn(m, k), randn(n, k), randn(n)
     assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_linear_two_rows(dtype, act):
+    # M = 2 takes the 2-row dot kernel ("dot2"), on the C++ path as on the Python one; K off
+    # the 16-wide vectors, N off the 8-row weight tile; a NaN stays in its row.
+    from torch_tvm_gemm.runtime import table
+
+    x, w, b = randn(2, 77, dtype=dtype), randn(100, 77, dtype=dtype), randn(100, dtype=dtype)
+    x[1, 3] = float("nan")
+    table.clear_table()
+    out = tg.linear(x, w, b, act)
+    assert [s.variant for s in table._table] == ["dot2"]
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    torch.testing.assert_close(
+        out, reference(x, w, b, act).to(dtype), equal_nan=True, **tolerance(dtype, 77)
+    )
+    assert gemm_variant(3, 100, 77, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
 
 
 def test_linear_non_contiguous():

@@ -28,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--models", default="bert", help="comma list of: bert, llama (default bert)")
     p.add_argument("--m", default=",".join(map(str, SWEEP_M)), help="comma list of M values")
     p.add_argument("--act", default="relu,none", help="comma list of: relu, none")
+    p.add_argument("--shapes", help="comma list of NxK linear shapes to keep (default: all)")
     p.add_argument("--no-attention", action="store_true", help="skip the bmm rows")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats (default: by size)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
@@ -152,6 +153,8 @@ def run(args) -> int:
 
     for model in args.models.split(","):
         for n, k in SHAPES[model]:
+            if args.shapes and f"{n}x{k}" not in args.shapes.split(","):
+                continue
             for act in args.act.split(","):
                 for m in map(int, args.m.split(",")):
                     show(_linear_row(m, n, k, act, args.repeats))

@@ -45,8 +45,8 @@ class GemmSpec:
     b_layout: str  # "kn" or "nk"
     bias: bool = False
     activation: str = "none"
-    # schedule family: "gemm" (packed B, any M), "gemv" (small M), "dot" (CPU, layout "nk",
-    # M from 2 to a few dozen; see schedules/cpu.py)
+    # schedule family: "gemm" (packed B, any M), "gemv" (small M), "dot" / "dot2" (CPU,
+    # layout "nk", M from 2 to a few dozen / M = 2; see schedules/cpu.py)
     variant: str = "gemm"
     device: str = "cpu"
     bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)

@@ -21,7 +21,7 @@ import tvm_ffi
 from .. import _ext
 from ..kernels.gemm import ACTIVATIONS
 from ..runtime.table import get_kernel, on_clear_table
-from ..schedules.cpu import DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
+from ..schedules.cpu import DOT2_MAX_M, DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
 from . import plan
 from .checks import DTYPE_NAMES, SUPPORTED_DTYPES
 from .gemm_ops import KERNEL_ALIGNMENT, gemm_spec, linear_impl, matmul_impl
@@ -121,6 +121,7 @@ def use_impl(path: str) -> str:
             list(ACTIVATIONS),
             [DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
             KERNEL_ALIGNMENT["cpu"],
+            DOT2_MAX_M,
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

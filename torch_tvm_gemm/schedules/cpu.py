@@ -15,15 +15,20 @@ products vectorised along K; layout "kn" broadcasts A and streams rows of B.
 too, as dot products along K, register-blocked: a tile of 4 rows of A by 6 rows of the weight
 keeps 24 vector accumulators, fed per K step by 10 vector loads, and the VEC lanes of each are
 summed once at the end. At these M, packing the weight on every call costs as much as the math
-(docs/inference-shapes.md has the measurements).
+(docs/inference-shapes.md has the measurements). "dot2" is the same kernel with a 2-row tile,
+for M = 2.
+
+A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
+(``kernels/gemm_kblocked.py``).
 """
 
 from __future__ import annotations
 
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
+from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
 
-SCHEDULE_VERSION = 7  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 10  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -35,13 +40,18 @@ GEMV_MIN_B_ELEMENTS = 1 << 12
 # torch against 1.0x and 0.9x; M=48 and up the packed kernel is ahead).
 DOT_MAX_M = 32
 DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 registers
+# Up to DOT2_MAX_M rows the "dot2" variant: the dot kernel with a 2-row tile (the 4-row one
+# computes 4 rows for 2; measured at M=2, 768x768, 2 threads: 1.06x torch against 0.72x; at
+# M=4 and 8 the 4-row tile is ahead, 1.18-1.21x against 1.07-1.08x).
+DOT2_MAX_M = 2
+DOT2_TILE = (2, 8)
 
 
 def gemm_variant(m: int, n: int, k: int, b_layout: str = "kn", device: str = "cpu") -> str:
-    """The schedule variant for an (M, N, K) product: "gemv", "dot" or "gemm"."""
+    """The schedule variant for an (M, N, K) product: "gemv", "dot2", "dot" or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     if device == "cpu" and b_layout == "nk" and big_b and 2 <= m <= DOT_MAX_M:
-        return "dot"
+        return "dot2" if m <= DOT2_MAX_M else "dot"
     return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
 
 
@@ -61,20 +71,45 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     return 6, 2 * vec, vec  # 12 + 2 + 1 of 16
 
 
+# K blocking of the packed kernel (a static K whose 64-wide panel of B outgrows half the L2):
+# chunks of K_CHUNK values (or a little fewer, to divide K), each chunk's panel packed and
+# used while it is in cache, partial sums added up in memory. Measured: see
+# docs/inference-shapes.md (K = 11008).
+K_CHUNK = 256
+
+
+def k_chunk(spec: GemmSpec, cpu: CpuInfo) -> int | None:
+    """The K chunk of the packed kernel for ``spec``, or None for one pass over all of K."""
+    if spec.batched or spec.variant != "gemm" or spec.k is None or cpu.vector_registers < 32:
+        return None
+    acc_bytes = 8 if spec.acc_dtype == "float64" else 4
+    nr = 4 * (cpu.vector_bytes // acc_bytes)
+    if spec.k * nr * acc_bytes <= cpu.l2_bytes // 2:
+        return None
+    # The fewest padded values of K over chunks that are whole vectors (ties: the longer).
+    return min(range(K_CHUNK, K_CHUNK // 2 - 1, -16), key=lambda kc: -(-spec.k // kc) * kc)
+
+
 def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     """The scheduled IRModule for ``spec`` on this CPU."""
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
     mr, nr, vec = register_tile(spec, cpu)
-    if spec.batched:
+    kc = k_chunk(spec, cpu)
+    if kc is not None:
+        mr, nr = 6, 4 * vec  # the panel is short now: the widest tile
+        sch = s_tir.Schedule(kblocked_gemm_compute(spec, mr, nr, kc))
+        _schedule_packed_kblocked(sch, spec, mr, nr, vec)
+    elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
         _schedule_packed_batched(sch, spec, mr, nr, vec)
-    elif spec.variant == "dot":
+    elif spec.variant in ("dot", "dot2"):
         if spec.b_layout != "nk":
             raise ValueError(f"bad GemmSpec {spec}: the dot variant reads a (N, K) weight")
-        sch = s_tir.Schedule(gemm_compute(spec, *DOT_TILE))
-        _schedule_dot_nk(sch, spec, vec)
+        tile = DOT2_TILE if spec.variant == "dot2" else DOT_TILE
+        sch = s_tir.Schedule(gemm_compute(spec, *tile))
+        _schedule_dot_nk(sch, spec, vec, tile)
     elif spec.variant == "gemv":
         if spec.b_layout == "kn":
             sch = s_tir.Schedule(gemm_compute(spec, 1, nr))
@@ -122,7 +157,65 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.decompose_reduction(acc, k)
 
 
-def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
+def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+    """The packed schedule over K chunks: per parallel task (a few N panels), for each chunk
+    its piece of the B panels is packed, then every MR x NR tile of that chunk is summed in
+    registers and added into the task's accumulator panel; "out" (bias, activation, cast)
+    runs once per task after the last chunk."""
+    partial, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
+    a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
+    if spec.dtype == spec.acc_dtype:
+        sch.compute_inline(a_pad)
+    else:
+        sch.parallel(sch.get_loops(a_pad)[0])
+    if spec.b_layout == "kn":
+        sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
+    else:
+        sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
+    i, j, c = sch.get_loops(acc)
+    io, ii = sch.split(i, [None, mr])
+    jo, jw, ji = sch.split(j, [None, _panels_per_task(spec, nr), nr])
+    jio, jii = sch.split(ji, [None, vec])
+    # A tile of A (MR x chunk) is read from L1 by every panel of the task.
+    sch.reorder(jo, c, io, jw, ii, jio, jii)
+    sch.parallel(jo)
+    sch.reverse_compute_at(out, jo)
+    sch.compute_at(partial, jw)
+    sch.set_scope(partial, 0, "local")
+    pi, pj, pk = sch.get_loops(partial)[-3:]
+    pjo, pji = sch.split(pj, [None, vec])
+    sch.reorder(pk, pi, pjo, pji)
+    sch.unroll(pi)
+    sch.unroll(pjo)
+    sch.vectorize(pji)
+    sch.decompose_reduction(partial, pk)
+    sch.compute_at(b_pad, c)
+    if spec.b_layout == "nk":
+        # Rows of the weight 16 at a time, each read along the whole chunk: with the chunk's
+        # rows all in flight the prefetchers lost track (measured 1.05x against 0.94x torch).
+        _transpose_in_tiles(sch, b_pad, vec, rows_first=True)
+    sch.unroll(ii)
+    sch.unroll(jio)
+    sch.vectorize(jii)
+    sch.decompose_reduction(acc, c)
+    o_in = sch.split(sch.get_loops(out)[-1], [None, vec])[1]
+    sch.vectorize(o_in)
+
+
+def _panels_per_task(spec: GemmSpec, nr: int) -> int:
+    """N panels per parallel task of the K-blocked kernel: the most (up to PANELS_PER_TASK)
+    that still leave 8 tasks or more, so that two threads get even shares."""
+    panels = -(-spec.n // nr)
+    for w in range(PANELS_PER_TASK, 1, -1):
+        if panels % w == 0 and panels // w >= 8:
+            return w
+    return 1
+
+
+PANELS_PER_TASK = 2
+
+
+def _transpose_in_tiles(sch, b_pad, vec: int, rows_first: bool = False) -> None:
     """Pack a "nk" B (a Linear weight, read along K) into N-contiguous panels by VEC x VEC
     tiles: per tile, VEC vector loads along K, unrolled over VEC rows, which LLVM turns into an
     in-register transpose. Left as one (n, k) loop nest, the pack wrote one float per cache
@@ -130,7 +223,7 @@ def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
     n, k = sch.get_loops(b_pad)[-2:]
     k0, k1 = sch.split(k, [None, vec])
     n0, n1 = sch.split(n, [None, vec])
-    sch.reorder(k0, n0, n1, k1)
+    sch.reorder(*((n0, k0) if rows_first else (k0, n0)), n1, k1)
     sch.unroll(n1)
     sch.vectorize(k1)
 
@@ -188,9 +281,9 @@ def _schedule_gemv_nk(sch, spec: GemmSpec, vec: int) -> None:
     sch.decompose_reduction(rf, ko)
 
 
-def _schedule_dot_nk(sch, spec: GemmSpec, vec: int) -> None:
+def _schedule_dot_nk(sch, spec: GemmSpec, vec: int, tile: tuple[int, int]) -> None:
     """MR x NR dot products along K in registers (rfactor: VEC partial sums per output)."""
-    mr, nr = DOT_TILE
+    mr, nr = tile
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     sch.compute_inline(sch.get_sblock("A_pad"))
     sch.compute_inline(sch.get_sblock("B_pad"))
@@ -223,7 +316,12 @@ def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) ->
         sch.compute_inline(a_pad)
     else:
         sch.parallel(sch.fuse(*sch.get_loops(a_pad)[:2]))
-    if spec.b_layout == "kn":
+    # A "kn" B exactly one panel wide (attention's V, N = head dim 64) is already in the
+    # panel layout: read in place (P @ V, S=128: 0.96x -> 1.05x torch.bmm on 1 thread).
+    in_place = spec.b_layout == "kn" and spec.n == nr and spec.dtype == spec.acc_dtype
+    if in_place:
+        sch.compute_inline(b_pad)
+    elif spec.b_layout == "kn":
         sch.transform_layout(b_pad, ("write", 0), lambda b, k, n: (b, n // nr, k, n % nr))
     else:
         sch.transform_layout(b_pad, ("write", 0), lambda b, n, k: (b, n // nr, k, n % nr))
@@ -239,7 +337,8 @@ def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) ->
     sch.unroll(jio)
     sch.vectorize(jii)
     sch.parallel(task)
-    sch.compute_at(b_pad, task)
+    if not in_place:
+        sch.compute_at(b_pad, task)
     if spec.b_layout == "nk":
         _transpose_in_tiles(sch, b_pad, vec)
     sch.decompose_reduction(acc, k)

@@ -1,0 +1,98 @@
+"""The K-blocked packed CPU kernel (a static K past the L2 threshold): chunk boundaries, padded
+K, every dtype, epilogues applied once to the final sum, both B layouts, a per-row bias."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DTYPES, assert_close, randn
+
+import torch_tvm_gemm as tg
+from torch_tvm_gemm.kernels.gemm import GemmSpec
+from torch_tvm_gemm.runtime.table import get_kernel
+from torch_tvm_gemm.schedules.cpu import K_CHUNK, k_chunk
+from torch_tvm_gemm.target import host_cpu
+
+CPU = host_cpu()
+pytestmark = pytest.mark.skipif(CPU.vector_registers < 32, reason="no K blocking on this CPU")
+# The largest K that still runs as one pass (a 4-vector-wide fp32 panel in half the L2).
+K_ONE_PASS = CPU.l2_bytes // 2 // (4 * CPU.vector_bytes)
+K_EXACT = (K_ONE_PASS // K_CHUNK + 1) * K_CHUNK  # whole chunks of K_CHUNK
+K_ODD = K_ONE_PASS + 1  # no chunk of whole vectors divides it: K padded to whole chunks
+
+
+def spec(k: int, dtype: str = "float32", **kw) -> GemmSpec:
+    return GemmSpec(dtype, 70, k, kw.pop("b_layout", "nk"), **kw)
+
+
+def reference(x, w, b, act):
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}[act](y)
+
+
+def test_chunk_rule_at_the_threshold():
+    assert k_chunk(spec(K_ONE_PASS), CPU) is None
+    assert k_chunk(spec(K_EXACT), CPU) == K_CHUNK
+    kc = k_chunk(spec(K_ODD), CPU)
+    assert kc % 16 == 0 and K_ODD % kc != 0
+    # A K with a smaller whole-vector chunk than K_CHUNK that divides it takes that chunk.
+    k = 208 * math.ceil(K_EXACT / 208)
+    assert k % K_CHUNK != 0 and k_chunk(spec(k), CPU) in (208, 240, 224, 192, 176, 160, 144, 128)
+    assert k % k_chunk(spec(k), CPU) == 0
+    # Not for small M variants, symbolic K or batched kernels.
+    assert k_chunk(spec(K_EXACT, variant="dot"), CPU) is None
+    assert k_chunk(GemmSpec("float32", 70, None, "kn"), CPU) is None
+
+
+@pytest.mark.parametrize("k", [K_ONE_PASS, K_ODD, K_EXACT], ids=["one-pass", "padded", "exact"])
+@pytest.mark.parametrize("m", [33, 127])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_linear_around_the_threshold(k, m, act):
+    x, w, b = randn(m, k), randn(70, k), randn(70)
+    assert_close(tg.linear(x, w, b, act), reference(x, w, b, act), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype(dtype):
+    x, w, b = randn(40, K_ODD, dtype=dtype), randn(130, K_ODD, dtype=dtype), randn(130, dtype=dtype)
+    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), K_ODD)
+
+
+def test_several_panels_per_task_and_large_m():
+    # N = 1024: 16 panels of 64, two per parallel task; M = 513 off the 6-row tile.
+    x, w = randn(513, K_EXACT), randn(1024, K_EXACT)
+    assert_close(tg.linear(x, w, None), reference(x, w, None, "none"), K_EXACT)
+
+
+def test_relu_keeps_nan_and_applies_once():
+    # The partial sums of the first chunks are negative, the total positive: a relu applied
+    # per chunk would clamp them. A NaN in a row of x stays a NaN in that row only.
+    k = K_EXACT
+    x = torch.ones(40, k)
+    w = torch.ones(3, k)
+    w[:, : k // 2] = -1.0
+    w[:, k // 2 :] = 1.5
+    x[5, 7] = float("nan")
+    out = tg.linear(x, w, torch.zeros(3), "relu")
+    expected = F.relu(F.linear(x.double(), w.double())).float()
+    assert torch.isnan(out[5]).all() and not torch.isnan(out[torch.arange(40) != 5]).any()
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    assert (out[0] > 0).all()
+
+
+@pytest.mark.parametrize("bias_axis", ["n", "m"])
+def test_kn_layout_and_row_bias(bias_axis):
+    # The layout a 1x1 convolution uses (W @ X, one bias per row) with a static K.
+    k = K_ODD
+    s = spec(k, b_layout="kn", bias=True, activation="relu", bias_axis=bias_axis)
+    assert k_chunk(s, CPU) is not None
+    fn = get_kernel(s)
+    a, bm = randn(19, k), randn(k, 70)
+    bias = randn(19 if bias_axis == "m" else 70)
+    out = torch.empty(19, 70)
+    fn(a, bm, bias, out)
+    y = a.double() @ bm.double() + (bias.double()[:, None] if bias_axis == "m" else bias.double())
+    assert_close(out, F.relu(y), k)
