@@ -266,7 +266,8 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     from torch_tvm_gemm.schedules import cpu
 
     limit = cpu.GEMV_MIN_B_ELEMENTS
-    ms = sorted({1, 2, 3, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1, cpu.DOT_MAX_M})
+    ms = sorted({1, 2, 3, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1, cpu.DOT2_MAX_M, cpu.DOT2_MAX_M + 1})
+    ms += [cpu.DOT_MAX_M]
     ms += [cpu.DOT_MAX_M + 1, 64, 1000]
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
@@ -284,6 +285,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     assert not disagree, disagree
     assert {ops.gemm_spec("float32", m, 64, 64, "nk").variant for m in ms} == {
         "gemv",
+        "dot2",
         "dot",
         "gemm",
     }  # the sweep reaches every variant
