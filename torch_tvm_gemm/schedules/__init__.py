@@ -13,7 +13,7 @@ The modules import ``tvm`` only inside their functions: importing them here is c
 
 from __future__ import annotations
 
-from . import cpu, cpu_conv2d, cuda, cuda_conv2d
+from . import cpu, cpu_conv2d, cpu_depthwise, cuda, cuda_conv2d
 
 _MODULES = {
     ("gemm", "cpu"): cpu,
@@ -35,4 +35,6 @@ def module(family: str, device: str):
 
 def version(family: str, device: str) -> int | tuple[int, ...]:
     """The schedule version in the cache key of a (family, device) kernel."""
+    if (family, device) == ("conv2d", "cpu"):  # its depthwise kernels have their own module
+        return (cpu_conv2d.SCHEDULE_VERSION, cpu_depthwise.SCHEDULE_VERSION)
     return module(family, device).SCHEDULE_VERSION

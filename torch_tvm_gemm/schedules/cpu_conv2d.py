@@ -10,8 +10,9 @@ broadcast as a memory operand), ``wt * nvec`` FMAs. The output width is padded t
 of ``wt`` (the extra columns read zeros and are not stored) so the micro-kernel carries no
 bounds check. Parallel over (image, channel block, output row).
 
-"direct" (other groups, e.g. depthwise): one output channel at a time, vectorised along
-the output width; correct for any geometry, not tuned.
+"direct" (other groups): one output channel at a time, vectorised along the output width;
+correct for any geometry, not tuned. Depthwise convs (one input channel per group) run
+the schedule of ``schedules/cpu_depthwise.py`` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
+from .cpu_depthwise import is_depthwise, schedule_depthwise
 
 SCHEDULE_VERSION = 4  # bump when a schedule changes the binary: it is part of the cache key
 
@@ -100,6 +102,8 @@ def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
     cpu = cpu or host_cpu()
     vec = _vec(spec, cpu)
     tile = tile or blocked_tile(spec, cpu)
+    if tile is None and is_depthwise(spec):
+        return schedule_depthwise(spec)
     if tile is None:
         sch = s_tir.Schedule(conv2d_compute(spec, ow_tile=vec))
         _schedule_direct(sch, spec, vec)
