@@ -9,7 +9,12 @@ from conftest import DTYPES, assert_close, randn
 
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
-from torch_tvm_gemm.schedules.cpu_depthwise import ROW_BLOCK, ROW_VECTOR, is_depthwise
+from torch_tvm_gemm.schedules.cpu_depthwise import (
+    LLVM_PHASE_SPLIT_MIN_W,
+    ROW_BLOCK,
+    ROW_VECTOR,
+    is_depthwise,
+)
 
 
 def reference(x, w, b, stride, padding, dilation, groups, relu=True):
@@ -22,7 +27,8 @@ def reference(x, w, b, stride, padding, dilation, groups, relu=True):
 # (N, C, H, W, multiplier, kernel, stride, padding, dilation): odd widths (not a multiple of
 # a vector), rows not a multiple of ROW_BLOCK, stride 1 / 2 / (2, 1), padding 0 / 1 / 2 /
 # (0, 2), dilation, channel multiplier 2 (K = 2C), batch > 1, rows wider than ROW_VECTOR
-# (cut into pieces that divide them: 200 -> 100; a prime width takes the clipped path).
+# (cut into pieces that divide them: 200 -> 100, 259 -> 37; 131, a prime, takes the clipped
+# path), a 1x1 image.
 CASES = [
     (1, 8, 13, 17, 1, 3, 1, 1, 1),
     (3, 5, 9, 11, 1, 3, 2, 1, 1),
@@ -34,6 +40,12 @@ CASES = [
     (2, 3, 5, 2 * ROW_VECTOR + 3, 1, 3, 2, 1, 1),
     (1, 2, 4, ROW_VECTOR + 3, 1, 3, 1, 1, 1),
     (1, 3, 1, 1, 1, 1, 1, 0, 1),
+    (1, 3, 9, 15, 1, 3, 2, 1, 2),  # stride 2, dilation 2: the taps read one phase only
+    # rows of at least LLVM_PHASE_SPLIT_MIN_W columns at stride 2: the phases are split from
+    # the padded row (or from x itself, with no padding)
+    (1, 3, 9, LLVM_PHASE_SPLIT_MIN_W + 2, 1, 3, 2, 0, 1),
+    (2, 2, 7, LLVM_PHASE_SPLIT_MIN_W + 1, 2, 3, (1, 2), (1, 0), 1),
+    (1, 2, 8, LLVM_PHASE_SPLIT_MIN_W + 5, 1, 3, 2, 1, 2),
 ]
 
 

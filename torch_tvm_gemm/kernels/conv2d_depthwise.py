@@ -5,7 +5,7 @@ NCHW layouts, plain ``(K, 1, R, S)`` weight, symbolic batch), written so that a 
 the output width reads contiguous input even at stride > 1: the zero-padded input copy
 "x_pad" is split by column phase, ``x_pad[b, c, i, p, q] = x[b, c, i - ph, q * sw + p - pw]``,
 so output columns ``j .. j+v`` of tap ``rs`` read ``x_pad[.., (rs*dw) % sw, j + (rs*dw) // sw]``,
-one contiguous run (each phase is a stage of its own: ``x_pad{p}``). The schedule (``schedules/cpu_depthwise.py``) makes that copy per
+one contiguous run (each phase is a stage of its own: ``x_phase{p}``). The schedule (``schedules/cpu_depthwise.py``) makes that copy per
 parallel task, a few rows at a time, in a local buffer.
 """
 
@@ -15,11 +15,19 @@ from . import epilogue
 from .conv2d import Conv2dSpec
 
 
-def depthwise_compute(spec: Conv2dSpec):
+def tap_phases(spec: Conv2dSpec) -> list[int]:
+    """The column phases the taps read (at stride 2 and dilation 2, only phase 0)."""
+    sw, dw = spec.stride[1], spec.dilation[1]
+    return sorted({rs * dw % sw for rs in range(spec.s)})
+
+
+def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
     """The unscheduled PrimFunc ``main(x, weight, [bias,] out)`` of a depthwise ``spec``.
 
-    Stages: "x_pad0" .. "x_pad{sw-1}", the zero-padded input in the accumulation dtype, one
-    per column phase (``x_pad{p}[b, c, i, q]`` is padded column ``q * sw + p``); "out", the
+    Stages: "x_pad", the zero-padded input in the accumulation dtype; at stride ``sw`` > 1,
+    "x_phase0" .. "x_phase{sw-1}", its column phases (``x_phase{p}[b, c, i, q]`` is padded
+    column ``q * sw + p``), read from "x_pad" (``split_after_pad``) or padded themselves
+    from ``x`` (then there is no "x_pad"); "out", the
     R x S taps summed in order, the bias, the activation and the cast, for each output. The
     taps are written out (not a reduction axis) so that each reads its phase's stage.
     """
@@ -28,6 +36,7 @@ def depthwise_compute(spec: Conv2dSpec):
     acc = spec.acc_dtype
     (sh, sw), (ph, pw), (dh, dw) = spec.stride, spec.padding, spec.dilation
     mult = spec.k // spec.c
+    phases = tap_phases(spec)
     oh, ow = spec.out_h, spec.out_w
     hp = (oh - 1) * sh + (spec.r - 1) * dh + 1
     wq = ow + ((spec.s - 1) * dw) // sw  # columns of each phase that the taps read
@@ -37,19 +46,33 @@ def depthwise_compute(spec: Conv2dSpec):
     weight = te.placeholder((spec.k, 1, spec.r, spec.s), spec.dtype, name="weight")
     bias = te.placeholder((spec.k,), spec.dtype, name="bias")
 
-    def phase(p):
-        def x_at(b, c, i, q):
-            j = q * sw + p
-            inside = tirx.all(i >= ph, i < spec.h + ph, j >= pw, j < spec.w + pw)
-            # The plain pad pattern (unclamped indices), which the schedule splits into a
-            # fill and an in-bound copy without a condition (``decompose_padding``).
+    def padded(i, j):
+        """Padded input row ``i``, column ``j``, as the plain pad pattern (unclamped indices)
+        that the schedule splits into a fill and an in-bound copy (``decompose_padding``)."""
+        inside = tirx.all(i >= ph, i < spec.h + ph, j >= pw, j < spec.w + pw)
+
+        def at(b, c):
             return tirx.if_then_else(
                 inside, x[b, c, i - ph, j - pw].astype(acc), tirx.const(0, acc)
             )
 
-        return te.compute((n, spec.c, hp, wq), x_at, name=f"x_pad{p}")
+        return at
 
-    x_pads = [phase(p) for p in range(sw)]
+    def phase_of(source, p):
+        return te.compute(
+            (n, spec.c, hp, wq), lambda b, c, i, q: source(b, c, i, q * sw + p), name=f"x_phase{p}"
+        )
+
+    if sw == 1 or split_after_pad:
+        x_pad = te.compute(
+            (n, spec.c, hp, wq * sw), lambda b, c, i, j: padded(i, j)(b, c), name="x_pad"
+        )
+        if sw == 1:
+            x_pads = {0: x_pad}
+        else:
+            x_pads = {p: phase_of(lambda b, c, i, j: x_pad[b, c, i, j], p) for p in phases}
+    else:
+        x_pads = {p: phase_of(lambda b, c, i, j: padded(i, j)(b, c), p) for p in phases}
 
     def final(b, k, i, j):
         v = None

@@ -16,12 +16,13 @@ loads and by whatever runs per element besides the FMAs. So:
 from __future__ import annotations
 
 from ..kernels.conv2d import Conv2dSpec
-from ..kernels.conv2d_depthwise import depthwise_compute
+from ..kernels.conv2d_depthwise import depthwise_compute, tap_phases
 
-SCHEDULE_VERSION = 1  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 3  # bump when the schedule changes the binary: it is part of the cache key
 
 ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
-ROW_BLOCK = 4  # output rows per parallel task: their input rows are padded together
+LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split
+ROW_BLOCK = 16  # output rows per parallel task: their input rows are padded together
 
 
 def is_depthwise(spec: Conv2dSpec) -> bool:
@@ -39,14 +40,21 @@ def _row_tile(ow: int) -> int:
     return best if best >= ROW_VECTOR // 4 else ROW_VECTOR // 2
 
 
-def schedule_depthwise(spec: Conv2dSpec):
-    """The scheduled IRModule of a depthwise ``spec``."""
+def schedule_depthwise(spec: Conv2dSpec, row_block: int = ROW_BLOCK):
+    """The scheduled IRModule of a depthwise ``spec`` (``row_block``: output rows per task)."""
     from tvm import s_tir
 
-    sch = s_tir.Schedule(depthwise_compute(spec))
+    # The phase split (stride > 1) reads the padded row with a stride. TVM's vectorizer
+    # loads each lane by itself; LLVM's loop vectorizer, given a serial loop over a padded
+    # row, makes whole-vector loads and shuffles, which wins on long rows only (measured,
+    # stride 2, 2 threads: 1.1-1.35x faster at 112 and 56 input columns; at 28 and 14 the
+    # extra pass made it 0.7-0.8x, there the phases are padded from x directly).
+    sw = spec.stride[1]
+    split_after_pad = sw > 1 and spec.w >= LLVM_PHASE_SPLIT_MIN_W
+    sch = s_tir.Schedule(depthwise_compute(spec, split_after_pad))
     out = sch.get_sblock("out")
     b, k, i, j = sch.get_loops(out)
-    io, ii = sch.split(i, [None, min(ROW_BLOCK, spec.out_h)])
+    io, ii = sch.split(i, [None, min(row_block, spec.out_h)])
     jo, ji = sch.split(j, [None, _row_tile(spec.out_w)])
     # Not fused: the padding's rows must stay an affine function of their own loop for
     # decompose_padding, so the parallel loop is the channels' (always many in a depthwise
@@ -54,22 +62,39 @@ def schedule_depthwise(spec: Conv2dSpec):
     sch.reorder(k, b, io)
     sch.parallel(k)
     sch.vectorize(ji)
-    for p in range(spec.stride[1]):
-        x_pad = sch.get_sblock(f"x_pad{p}")
-        if spec.padding == (0, 0) and spec.stride[1] == 1:  # a plain read: no copy
+    if sw > 1:
+        for p in tap_phases(spec):
+            phase = sch.get_sblock(f"x_phase{p}")
+            if split_after_pad:  # serial: LLVM vectorizes it
+                _local_at_task(sch, phase, out)
+            else:
+                _pad_at_task(sch, phase, out, spec)
+    if sw == 1 or split_after_pad:
+        x_pad = sch.get_sblock("x_pad")
+        if spec.padding == (0, 0):  # nothing to pad: a plain read
             sch.compute_inline(x_pad)
-            continue
-        task = sch.get_loops(out)[2]  # (the loop objects change with each decomposition)
-        sch.compute_at(x_pad, task)
-        sch.set_scope(x_pad, 0, "local")
-        # compute_at leaves no loop for an extent of one: a single padded element stays
-        # as it is (with its condition), else the fill and copy go under its first loop.
-        loops = sch.get_loops(x_pad)
-        if len(loops) == 3:
-            continue
-        blocks = [x_pad]
-        if spec.padding != (0, 0):
-            blocks.append(sch.decompose_padding(x_pad, loops[3]))
-        for block in blocks:
-            sch.vectorize(sch.get_loops(block)[-1])
+        else:
+            _pad_at_task(sch, x_pad, out, spec)
     return sch.mod
+
+
+def _local_at_task(sch, block, out) -> None:
+    """Compute ``block`` per parallel task (the row-block loop of ``out``), in a local buffer."""
+    sch.compute_at(block, sch.get_loops(out)[2])  # (loop objects change as blocks move)
+    sch.set_scope(block, 0, "local")
+
+
+def _pad_at_task(sch, block, out, spec: Conv2dSpec) -> None:
+    """A padding stage per task: a vectorized fill of zeros, then a vectorized copy of the
+    in-bound part (no condition per element)."""
+    _local_at_task(sch, block, out)
+    loops = sch.get_loops(block)
+    # compute_at leaves no loop for an extent of one: a single padded element stays as it
+    # is (with its condition), else the fill and the copy go under its first loop.
+    if len(loops) == 3:
+        return
+    blocks = [block]
+    if spec.padding != (0, 0):
+        blocks.append(sch.decompose_padding(block, loops[3]))
+    for b in blocks:
+        sch.vectorize(sch.get_loops(b)[-1])
