@@ -41,6 +41,9 @@ CASES = [
     (1, 2, 4, ROW_VECTOR + 3, 1, 3, 1, 1, 1),
     (1, 3, 1, 1, 1, 1, 1, 0, 1),
     (1, 3, 9, 15, 1, 3, 2, 1, 2),  # stride 2, dilation 2: the taps read one phase only
+    (2, 4, 2, 2, 1, 3, 2, 1, 1),  # a 1x1 output: the padding keeps its condition
+    (1, 3, 1, 6, 1, 3, 1, 1, 1),  # one input row
+    (1, 3, 5, 1, 2, 3, 2, 1, 1),  # one input column
     # rows of at least LLVM_PHASE_SPLIT_MIN_W columns at stride 2: the phases are split from
     # the padded row (or from x itself, with no padding)
     (1, 3, 9, LLVM_PHASE_SPLIT_MIN_W + 2, 1, 3, 2, 0, 1),
@@ -110,6 +113,20 @@ def test_which_specs_are_depthwise():
     assert is_depthwise(spec(8, 8, 8)) and is_depthwise(spec(8, 16, 8))
     assert not is_depthwise(spec(8, 8, 4)) and not is_depthwise(spec(8, 8, 1))
     assert not is_depthwise(spec(1, 4, 1))  # one channel, groups 1: the ordinary kernels
+    # rows too wide for a task's stack buffer: the "direct" kernel
+    wide = Conv2dSpec("float32", 4, 4, 3, 3, 8, 1 << 16, padding=(1, 1), groups=4)
+    assert not is_depthwise(wide) and is_depthwise(
+        Conv2dSpec("float32", 4, 4, 1, 3, 1, 1 << 16, groups=4)
+    )
+
+
+@pytest.mark.parametrize("h, r", [(1, 1), (8, 3)], ids=["one-row", "too-wide-for-a-task"])
+def test_very_wide_rows(h, r):
+    """A 65536-column row: one row is padded per task in pieces of vectors; three rows do
+    not fit a task's buffer and take the "direct" kernel."""
+    x, w, b = randn(1, 2, h, 1 << 16), randn(2, 1, r, 3), randn(2)
+    y = tg.conv2d_bias_relu(x, w, b, 1, (r // 2, 1), groups=2)
+    assert_close(y, reference(x, w, b, 1, (r // 2, 1), 1, 2), k=3 * r)
 
 
 def test_gradcheck():

@@ -18,16 +18,33 @@ from __future__ import annotations
 from ..kernels.conv2d import Conv2dSpec
 from ..kernels.conv2d_depthwise import depthwise_compute, tap_phases
 
-SCHEDULE_VERSION = 3  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 4  # bump when the schedule changes the binary: it is part of the cache key
 
 ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
 LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split
 ROW_BLOCK = 16  # output rows per parallel task: their input rows are padded together
 
 
+LOCAL_MAX_BYTES = 512 << 10  # a task's padded rows live on its thread's stack
+
+
 def is_depthwise(spec: Conv2dSpec) -> bool:
-    """Whether ``spec`` runs through this schedule: one input channel per group."""
-    return spec.groups > 1 and spec.groups == spec.c
+    """Whether ``spec`` runs through this schedule: one input channel per group, and the
+    padded input rows of one task small enough for the stack (else the "direct" kernel of
+    ``cpu_conv2d``, which pads into one buffer on the heap)."""
+    return spec.groups > 1 and spec.groups == spec.c and _local_bytes(spec) <= LOCAL_MAX_BYTES
+
+
+def _local_bytes(spec: Conv2dSpec) -> int:
+    (sh, sw), dh = spec.stride, spec.dilation[0]
+    rows = (min(ROW_BLOCK, spec.out_h) - 1) * sh + (spec.r - 1) * dh + 1
+    cols = (spec.out_w + (spec.s - 1) * spec.dilation[1] // sw) * sw
+    copies = 2 if _split_after_pad(spec) else 1  # the padded row and its phases
+    return rows * cols * copies * (8 if spec.acc_dtype == "float64" else 4)
+
+
+def _split_after_pad(spec: Conv2dSpec) -> bool:
+    return spec.stride[1] > 1 and spec.w >= LLVM_PHASE_SPLIT_MIN_W
 
 
 def _row_tile(ow: int) -> int:
@@ -50,7 +67,7 @@ def schedule_depthwise(spec: Conv2dSpec, row_block: int = ROW_BLOCK):
     # stride 2, 2 threads: 1.1-1.35x faster at 112 and 56 input columns; at 28 and 14 the
     # extra pass made it 0.7-0.8x, there the phases are padded from x directly).
     sw = spec.stride[1]
-    split_after_pad = sw > 1 and spec.w >= LLVM_PHASE_SPLIT_MIN_W
+    split_after_pad = _split_after_pad(spec)
     sch = s_tir.Schedule(depthwise_compute(spec, split_after_pad))
     out = sch.get_sblock("out")
     b, k, i, j = sch.get_loops(out)
@@ -87,6 +104,8 @@ def _local_at_task(sch, block, out) -> None:
 def _pad_at_task(sch, block, out, spec: Conv2dSpec) -> None:
     """A padding stage per task: a vectorized fill of zeros, then a vectorized copy of the
     in-bound part (no condition per element)."""
+    from tvm import s_tir
+
     _local_at_task(sch, block, out)
     loops = sch.get_loops(block)
     # compute_at leaves no loop for an extent of one: a single padded element stays as it
@@ -95,6 +114,20 @@ def _pad_at_task(sch, block, out, spec: Conv2dSpec) -> None:
         return
     blocks = [block]
     if spec.padding != (0, 0):
-        blocks.append(sch.decompose_padding(block, loops[3]))
+        try:
+            blocks.append(sch.decompose_padding(block, loops[3]))
+        except s_tir.ScheduleError:
+            # Tiny images (a row of the block at an extent of one, merged into the task's
+            # binding) do not match the pattern: their few elements keep the condition.
+            return
     for b in blocks:
-        sch.vectorize(sch.get_loops(b)[-1])
+        _vectorize_row(sch, sch.get_loops(b)[-1])
+
+
+def _vectorize_row(sch, loop) -> None:
+    """Vectorize a row loop whole, or in ``_row_tile`` pieces when it is wider than
+    ``ROW_VECTOR`` (TVM counts a vector's lanes in 16 bits)."""
+    extent = sch.get(loop).extent.value
+    if extent > ROW_VECTOR:
+        loop = sch.split(loop, [None, _row_tile(extent)])[1]
+    sch.vectorize(loop)
