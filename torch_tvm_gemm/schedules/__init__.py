@@ -3,17 +3,18 @@
 | family | cpu | cuda |
 |---|---|---|
 | gemm | ``cpu.schedule_gemm`` | ``cuda.schedule_gemm`` (mma.sync / WMMA / TF32 / SIMT) |
-| conv2d | ``cpu_conv2d.schedule_conv2d`` | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
+| conv2d | ``cpu_conv2d.schedule_conv2d`` (depthwise: ``cpu_depthwise``) | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
 
 ``cuda_intrin`` holds the tensor-core intrinsics, ``cuda_wgmma`` the Hopper TMA + wgmma
 kernel. Each schedule module has its own ``SCHEDULE_VERSION``; ``version(family, device)``
-is what the kernel cache key holds, so a change to one schedule rebuilds only its kernels.
+is what the kernel cache key holds, so a change to one schedule rebuilds only its kernels
+(the CPU conv2d key holds both ``cpu_conv2d``'s and ``cpu_depthwise``'s).
 The modules import ``tvm`` only inside their functions: importing them here is cheap.
 """
 
 from __future__ import annotations
 
-from . import cpu, cpu_conv2d, cuda, cuda_conv2d
+from . import cpu, cpu_conv2d, cpu_depthwise, cuda, cuda_conv2d
 
 _MODULES = {
     ("gemm", "cpu"): cpu,
@@ -35,4 +36,6 @@ def module(family: str, device: str):
 
 def version(family: str, device: str) -> int | tuple[int, ...]:
     """The schedule version in the cache key of a (family, device) kernel."""
+    if (family, device) == ("conv2d", "cpu"):  # its depthwise kernels have their own module
+        return (cpu_conv2d.SCHEDULE_VERSION, cpu_depthwise.SCHEDULE_VERSION)
     return module(family, device).SCHEDULE_VERSION

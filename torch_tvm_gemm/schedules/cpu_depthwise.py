@@ -1,0 +1,133 @@
+"""LLVM CPU schedule of the depthwise conv2d math of ``kernels/conv2d_depthwise.py``.
+
+A depthwise conv does R*S FMAs per output and reads each input about once: it is bound by
+loads and by whatever runs per element besides the FMAs. So:
+
+- Parallel over (image, output channel, block of output rows): each task zero-pads the
+  input rows its block reads into a small local buffer, split by column phase (at stride 2
+  a vector of outputs then reads contiguous input); the padding is two vectorized loops (a
+  fill, then the in-bound rows copied), no condition per element.
+- An output row (up to ``ROW_VECTOR`` columns) is one vector: LLVM splits it into whole
+  registers plus one part-register, so no width is padded or masked and every row stays
+  in registers for its R*S taps; bias and activation are applied to that row once.
+  Wider rows are cut into ``ROW_VECTOR``-column pieces.
+"""
+
+from __future__ import annotations
+
+from ..kernels.conv2d import Conv2dSpec
+from ..kernels.conv2d_depthwise import depthwise_compute, tap_phases
+
+SCHEDULE_VERSION = 4  # bump when the schedule changes the binary: it is part of the cache key
+
+ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
+LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split
+ROW_BLOCK = 16  # output rows per parallel task: their input rows are padded together
+
+
+LOCAL_MAX_BYTES = 512 << 10  # a task's padded rows live on its thread's stack
+
+
+def is_depthwise(spec: Conv2dSpec) -> bool:
+    """Whether ``spec`` runs through this schedule: one input channel per group, and the
+    padded input rows of one task small enough for the stack (else the "direct" kernel of
+    ``cpu_conv2d``, which pads into one buffer on the heap)."""
+    return spec.groups > 1 and spec.groups == spec.c and _local_bytes(spec) <= LOCAL_MAX_BYTES
+
+
+def _local_bytes(spec: Conv2dSpec) -> int:
+    (sh, sw), dh = spec.stride, spec.dilation[0]
+    rows = (min(ROW_BLOCK, spec.out_h) - 1) * sh + (spec.r - 1) * dh + 1
+    cols = (spec.out_w + (spec.s - 1) * spec.dilation[1] // sw) * sw
+    copies = 2 if _split_after_pad(spec) else 1  # the padded row and its phases
+    return rows * cols * copies * (8 if spec.acc_dtype == "float64" else 4)
+
+
+def _split_after_pad(spec: Conv2dSpec) -> bool:
+    return spec.stride[1] > 1 and spec.w >= LLVM_PHASE_SPLIT_MIN_W
+
+
+def _row_tile(ow: int) -> int:
+    """The output columns per vector: the whole row, or the widest piece that divides it,
+    or (no divisor of at least ``ROW_VECTOR // 4``) pieces of ``ROW_VECTOR // 2`` with a
+    clipped last one, whose predicate leaves that loop to LLVM's own vectorizer."""
+    if ow <= ROW_VECTOR:
+        return ow
+    best = max(d for d in range(1, ROW_VECTOR + 1) if ow % d == 0)
+    return best if best >= ROW_VECTOR // 4 else ROW_VECTOR // 2
+
+
+def schedule_depthwise(spec: Conv2dSpec, row_block: int = ROW_BLOCK):
+    """The scheduled IRModule of a depthwise ``spec`` (``row_block``: output rows per task)."""
+    from tvm import s_tir
+
+    # The phase split (stride > 1) reads the padded row with a stride. TVM's vectorizer
+    # loads each lane by itself; LLVM's loop vectorizer, given a serial loop over a padded
+    # row, makes whole-vector loads and shuffles, which wins on long rows only (measured,
+    # stride 2, 2 threads: 1.1-1.35x faster at 112 and 56 input columns; at 28 and 14 the
+    # extra pass made it 0.7-0.8x, there the phases are padded from x directly).
+    sw = spec.stride[1]
+    split_after_pad = _split_after_pad(spec)
+    sch = s_tir.Schedule(depthwise_compute(spec, split_after_pad))
+    out = sch.get_sblock("out")
+    b, k, i, j = sch.get_loops(out)
+    io, ii = sch.split(i, [None, min(row_block, spec.out_h)])
+    jo, ji = sch.split(j, [None, _row_tile(spec.out_w)])
+    # Not fused: the padding's rows must stay an affine function of their own loop for
+    # decompose_padding, so the parallel loop is the channels' (always many in a depthwise
+    # conv), outside the images.
+    sch.reorder(k, b, io)
+    sch.parallel(k)
+    sch.vectorize(ji)
+    if sw > 1:
+        for p in tap_phases(spec):
+            phase = sch.get_sblock(f"x_phase{p}")
+            if split_after_pad:  # serial: LLVM vectorizes it
+                _local_at_task(sch, phase, out)
+            else:
+                _pad_at_task(sch, phase, out, spec)
+    if sw == 1 or split_after_pad:
+        x_pad = sch.get_sblock("x_pad")
+        if spec.padding == (0, 0):  # nothing to pad: a plain read
+            sch.compute_inline(x_pad)
+        else:
+            _pad_at_task(sch, x_pad, out, spec)
+    return sch.mod
+
+
+def _local_at_task(sch, block, out) -> None:
+    """Compute ``block`` per parallel task (the row-block loop of ``out``), in a local buffer."""
+    sch.compute_at(block, sch.get_loops(out)[2])  # (loop objects change as blocks move)
+    sch.set_scope(block, 0, "local")
+
+
+def _pad_at_task(sch, block, out, spec: Conv2dSpec) -> None:
+    """A padding stage per task: a vectorized fill of zeros, then a vectorized copy of the
+    in-bound part (no condition per element)."""
+    from tvm import s_tir
+
+    _local_at_task(sch, block, out)
+    loops = sch.get_loops(block)
+    # compute_at leaves no loop for an extent of one: a single padded element stays as it
+    # is (with its condition), else the fill and the copy go under its first loop.
+    if len(loops) == 3:
+        return
+    blocks = [block]
+    if spec.padding != (0, 0):
+        try:
+            blocks.append(sch.decompose_padding(block, loops[3]))
+        except s_tir.ScheduleError:
+            # Tiny images (a row of the block at an extent of one, merged into the task's
+            # binding) do not match the pattern: their few elements keep the condition.
+            return
+    for b in blocks:
+        _vectorize_row(sch, sch.get_loops(b)[-1])
+
+
+def _vectorize_row(sch, loop) -> None:
+    """Vectorize a row loop whole, or in ``_row_tile`` pieces when it is wider than
+    ``ROW_VECTOR`` (TVM counts a vector's lanes in 16 bits)."""
+    extent = sch.get(loop).extent.value
+    if extent > ROW_VECTOR:
+        loop = sch.split(loop, [None, _row_tile(extent)])[1]
+    sch.vectorize(loop)
