@@ -11,8 +11,7 @@ parallel task, a few rows at a time, in a local buffer.
 
 from __future__ import annotations
 
-from . import epilogue
-from .conv2d import Conv2dSpec
+from .conv2d import Conv2dSpec, activate
 
 
 def tap_phases(spec: Conv2dSpec) -> list[int]:
@@ -84,9 +83,7 @@ def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
                 v = term if v is None else v + term
         if spec.bias:
             v = v + bias[k].astype(acc)
-        if spec.relu:
-            v = epilogue.relu(v, acc)
-        return v.astype(spec.dtype)
+        return activate(spec.activation, v, acc, spec.device).astype(spec.dtype)
 
     out = te.compute((n, spec.k, oh, ow), final, name="out")
     args = [x, weight] + ([bias] if spec.bias else []) + [out]
