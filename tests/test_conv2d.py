@@ -222,15 +222,19 @@ def test_packed_weight_follows_updates():
 # How the blocked kernel splits its parallel tasks (schedules/cpu_conv2d.blocked_tasks): a
 # chunk of images per task that the batch does not fill evenly (3 of 64, 70 = 64 + 6), a
 # chunk of rows that does not divide the output height (47 = 24 + 23), K not a whole number
-# of channel blocks (the packed block's missing channels are zeros, never stored).
+# of channel blocks (the packed block's missing channels are zeros, never stored), and a
+# K of few channel blocks, where each task takes one image (the images feed the threads).
 TASK_CASES = [
-    ((3, 16, 9, 9, 24), lambda images, rows: images > 3),
-    ((70, 16, 9, 9, 24), lambda images, rows: images < 70),
+    ((3, 16, 9, 9, 264), lambda images, rows: images > 3),
+    ((70, 16, 9, 9, 264), lambda images, rows: images < 70),
+    ((8, 16, 9, 9, 24), lambda images, rows: images == 1),
     ((2, 64, 47, 47, 40), lambda images, rows: images == 1 and 47 % rows),
 ]
 
 
-@pytest.mark.parametrize("case, split", TASK_CASES, ids=["images-3", "images-70", "rows-47"])
+@pytest.mark.parametrize(
+    "case, split", TASK_CASES, ids=["images-3", "images-70", "few-blocks", "rows-47"]
+)
 def test_blocked_task_edges(case, split):
     from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
     from torch_tvm_gemm.schedules.cpu_conv2d import blocked_tasks, blocked_tile

@@ -33,7 +33,7 @@ from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
-SCHEDULE_VERSION = 5  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 6  # bump when a schedule changes the binary: it is part of the cache key
 
 
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]
@@ -102,6 +102,9 @@ def blocked_tile(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int] | None:
 TASK_PIXELS = 1024  # output pixels per task at least, when a task is a chunk of rows
 
 
+MIN_BLOCKS_FOR_IMAGE_CHUNKS = 8  # channel blocks below which each task takes one image
+
+
 @functools.lru_cache(maxsize=4096)
 def blocked_tasks(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int]:
     """(images, rows) per parallel task of the "blocked" kernel.
@@ -113,12 +116,16 @@ def blocked_tasks(spec: Conv2dSpec, cpu: CpuInfo) -> tuple[int, int]:
     fewer than the image's when an image has enough pixels to pay for packing a block again
     (more tasks to balance over the threads).
     """
-    wt, _ = blocked_tile(spec, cpu)
+    wt, nvec = blocked_tile(spec, cpu)
     acc_bytes = 8 if spec.acc_dtype == "float64" else 4
     hp = (spec.out_h - 1) * spec.stride[0] + (spec.r - 1) * spec.dilation[0] + 1
     image = spec.c * hp * padded_input_width(spec, wt) * acc_bytes
     images = 1
-    while images * 2 * image <= cpu.l2_bytes // 2 and images < 64:
+    # With few channel blocks the images are what the threads share (the batch is not known
+    # here): one image per task. Seen: 16 -> 32 channels at 32x32, batch 8, all 8 images in
+    # one task of one block ran on one thread, 0.61x torch.
+    few_blocks = -(-spec.k // (nvec * _vec(spec, cpu))) < MIN_BLOCKS_FOR_IMAGE_CHUNKS
+    while not few_blocks and images * 2 * image <= cpu.l2_bytes // 2 and images < 64:
         images *= 2
     rows = spec.out_h
     if images == 1 and spec.out_h * spec.out_w >= 2 * TASK_PIXELS:
