@@ -207,6 +207,17 @@ def gemm_compute(
         name="acc",
     )
 
+    return epilogue_func(spec, A, B, bias, acc_t, M, N)
+
+
+def epilogue_func(spec: GemmSpec, A, B, bias, acc_t, M, N):
+    """The PrimFunc ``main(A, B[, bias], out)`` whose "out" stage takes the sum ``acc_t``
+    over the real (M, N) outputs: the bias added and the activation applied once each, then
+    the cast to the output dtype (shared by every 2-D GEMM compute)."""
+    from tvm import te
+
+    acc = spec.acc_dtype
+
     def final(i, j):
         if spec.bias:
             return acc_t[i, j] + bias[i if spec.bias_axis == "m" else j].astype(acc)

@@ -11,7 +11,7 @@ reading as zero (A and B both: a zero times an inf would be a NaN).
 
 from __future__ import annotations
 
-from .gemm import GemmSpec, apply_activation
+from .gemm import GemmSpec, epilogue_func
 
 
 def kblocked_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int, kc: int):
@@ -66,16 +66,4 @@ def kblocked_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int, kc: int):
     )
     rc = te.reduce_axis((tirx.const(0, i64), tirx.const(chunks, i64)), name="c")
     acc_t = te.compute((Mp, Np), lambda i, j: te.sum(partial[rc, i, j], axis=rc), name="acc")
-
-    def final(i, j):
-        return acc_t[i, j] + bias[i if by_row else j].astype(acc) if spec.bias else acc_t[i, j]
-
-    out = te.compute(
-        (M, N),
-        lambda i, j: apply_activation(final(i, j), spec.activation, acc, spec.device).astype(
-            spec.dtype
-        ),
-        name="out",
-    )
-    args = [A, B] + ([bias] if spec.bias else []) + [out]
-    return te.create_prim_func(args).with_attr("global_symbol", "main")
+    return epilogue_func(spec, A, B, bias, acc_t, M, N)

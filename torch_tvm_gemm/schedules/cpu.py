@@ -123,21 +123,26 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     return sch.mod
 
 
-def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
-    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+def _pad_operands(sch, spec: GemmSpec, nr: int):
+    """The packed schedules' operands: A read in place (fp32/fp64: the clamp is hoisted out
+    of the k loop) or, narrow dtypes, copied so that each element is converted once rather
+    than N/NR times; B's copy laid out as panels [Np/NR, K, NR] in the accumulation dtype.
+    Returns B's copy ("B_pad"), which each schedule places itself."""
     a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
-    # fp32/fp64: read A in place (the clamp is hoisted out of the k loop). Narrow dtypes:
-    # keep the copy, so that each element is converted once rather than N/NR times.
     if spec.dtype == spec.acc_dtype:
         sch.compute_inline(a_pad)
     else:
         sch.parallel(sch.get_loops(a_pad)[0])
-    # Pack B into panels [Np/NR, K, NR], converted to the accumulation dtype.
     if spec.b_layout == "kn":
         sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
     else:
         sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
+    return b_pad
 
+
+def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+    b_pad = _pad_operands(sch, spec, nr)
     i, j, k = sch.get_loops(acc)
     io, ii = sch.split(i, [None, mr])
     jo, ji = sch.split(j, [None, nr])
@@ -163,15 +168,7 @@ def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -
     registers and added into the task's accumulator panel; "out" (bias, activation, cast)
     runs once per task after the last chunk."""
     partial, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
-    a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
-    if spec.dtype == spec.acc_dtype:
-        sch.compute_inline(a_pad)
-    else:
-        sch.parallel(sch.get_loops(a_pad)[0])
-    if spec.b_layout == "kn":
-        sch.transform_layout(b_pad, ("write", 0), lambda k, n: (n // nr, k, n % nr))
-    else:
-        sch.transform_layout(b_pad, ("write", 0), lambda n, k: (n // nr, k, n % nr))
+    b_pad = _pad_operands(sch, spec, nr)
     i, j, c = sch.get_loops(acc)
     io, ii = sch.split(i, [None, mr])
     jo, jw, ji = sch.split(j, [None, _panels_per_task(spec, nr), nr])
