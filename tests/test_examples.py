@@ -49,3 +49,20 @@ def test_cli_bench_inference_smoke(tmp_path):
     ops = {r["op"] for r in result["rows"]}
     assert {"linear_relu", "bmm_qk", "bmm_pv"} <= ops
     assert all(r["ratio"] > 0 and 0 < r["tvm_peak_fraction"] for r in result["rows"])
+
+
+def test_cli_bench_inference_bf16(tmp_path):
+    """--dtype bfloat16: the rows run bf16 operands (no fraction of the fp32 FMA peak)."""
+    import json
+
+    from torch_tvm_gemm.__main__ import main
+
+    out = tmp_path / "inference.json"
+    args = ["bench-inference", "--m", "40", "--act", "relu", "--shapes", "768x768"]
+    assert (
+        main([*args, "--no-attention", "--dtype", "bfloat16", "--repeats", "1", "--json", str(out)])
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "bfloat16" and len(result["rows"]) == 1
+    assert all(r["ratio"] > 0 and r["tvm_peak_fraction"] is None for r in result["rows"])

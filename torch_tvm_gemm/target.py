@@ -34,12 +34,20 @@ class CpuInfo:
     def vector_registers(self) -> int:
         return 32 if self.vector_bytes == 64 or self.arch == "aarch64" else 16
 
+    @property
+    def amx_bf16(self) -> bool:
+        """Whether bf16 GEMMs may run on AMX tiles: the CPU has them and Linux lets this
+        process use them (``enable_amx``)."""
+        has_tiles = {"amx_tile", "amx_bf16"} <= self.features
+        return has_tiles and self.arch == "x86_64" and enable_amx()
+
     def key(self) -> str:
         """A short stable name for the cache: architecture, SIMD level and a feature hash."""
         digest = hashlib.sha256(
             (self.model + "|" + " ".join(sorted(self.features))).encode()
         ).hexdigest()[:10]
-        return f"{self.arch}-v{self.vector_bytes * 8}-{digest}"
+        # The tiles' permission is not a CPU flag, and it changes the bf16 kernels.
+        return f"{self.arch}-v{self.vector_bytes * 8}-{digest}" + ("-amx" if self.amx_bf16 else "")
 
 
 @functools.cache
@@ -57,6 +65,27 @@ def host_cpu() -> CpuInfo:
     except OSError:  # not Linux: fall back to the architecture alone
         pass
     return CpuInfo(platform.machine(), model, frozenset(flags), _l2_bytes())
+
+
+# Linux x86-64: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). A process must ask
+# before its threads touch the AMX tile registers (an instruction on them without it is
+# SIGILL); the grant is for the whole process and every thread it starts.
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@functools.cache
+def enable_amx() -> bool:
+    """Ask Linux for the AMX tile state (once per process); False where it is refused or
+    this is not Linux on x86-64. torch's oneDNN asks the same when it first uses AMX."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _l2_bytes() -> int:

@@ -30,6 +30,12 @@ def register(sub) -> None:
     p.add_argument("--act", default="relu,none", help="comma list of: relu, none")
     p.add_argument("--shapes", help="comma list of NxK linear shapes to keep (default: all)")
     p.add_argument("--no-attention", action="store_true", help="skip the bmm rows")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="operand dtype (bfloat16: no peak column, the probe measures fp32 FMAs)",
+    )
     p.add_argument("--repeats", type=int, default=0, help="timed repeats (default: by size)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.set_defaults(func=run)
@@ -81,13 +87,13 @@ def fma_peak_gflops(threads: int) -> float:
     return 2.0 * threads * chains * vec * iters / best / 1e9
 
 
-def _linear_row(m: int, n: int, k: int, act: str, repeats: int) -> dict:
+def _linear_row(m: int, n: int, k: int, act: str, repeats: int, dtype) -> dict:
     import torch
     import torch.nn.functional as F
 
     import torch_tvm_gemm as tg
 
-    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    x, w, b = (torch.randn(*shape, dtype=dtype) for shape in ((m, k), (n, k), (n,)))
     if act == "relu":
         tvm_fn = lambda: tg.linear(x, w, b, "relu")  # noqa: E731
         torch_fn = lambda: F.relu(F.linear(x, w, b))  # noqa: E731
@@ -97,14 +103,14 @@ def _linear_row(m: int, n: int, k: int, act: str, repeats: int) -> dict:
     return _timed(f"linear_{act}", m, n, k, 1, tvm_fn, torch_fn, repeats)
 
 
-def _bmm_rows(bh: int, repeats: int) -> list[dict]:
+def _bmm_rows(bh: int, repeats: int, dtype) -> list[dict]:
     import torch
 
     import torch_tvm_gemm as tg
 
     s, d = ATTENTION_S, ATTENTION_D
-    q, key, v = torch.randn(bh, s, d), torch.randn(bh, s, d), torch.randn(bh, s, d)
-    p = torch.randn(bh, s, s)
+    q, key, v = (torch.randn(bh, s, d, dtype=dtype) for _ in range(3))
+    p = torch.randn(bh, s, s, dtype=dtype)
     kt = key.transpose(1, 2)  # the view attention uses: (BH, D, S), not contiguous
     return [
         _timed("bmm_qk", s, s, d, bh, lambda: tg.matmul(q, kt), lambda: torch.bmm(q, kt), repeats),
@@ -128,12 +134,13 @@ def run(args) -> int:
     from ..target import host_cpu
 
     cpu = host_cpu()
+    dtype = getattr(torch, args.dtype)
     threads = torch.get_num_threads()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     peak = fma_peak_gflops(threads)
     print(
         f"CPU: {cpu.model or cpu.arch}, torch {torch.__version__}, {threads} threads, "
-        f"load average {load:.1f}; measured FMA peak {peak:.0f} GFLOPS"
+        f"load average {load:.1f}; measured FMA peak {peak:.0f} GFLOPS; {args.dtype}"
     )
     print(
         f"{'op':<12} {'batch':>5} {'M':>5} {'N':>6} {'K':>6} {'TVM GF/s':>9} "
@@ -142,12 +149,13 @@ def run(args) -> int:
     rows = []
 
     def show(r: dict) -> None:
-        r["tvm_peak_fraction"] = r["tvm_gflops"] / peak
+        fp32 = dtype == torch.float32
+        r["tvm_peak_fraction"] = r["tvm_gflops"] / peak if fp32 else None
         rows.append(r)
         print(
             f"{r['op']:<12} {r['batch']:>5} {r['M']:>5} {r['N']:>6} {r['K']:>6} "
             f"{r['tvm_gflops']:>9.1f} {r['torch_gflops']:>10.1f} {r['ratio']:>5.2f}x "
-            f"{r['tvm_peak_fraction']:>7.0%}",
+            + (f"{r['tvm_peak_fraction']:>7.0%}" if fp32 else f"{'-':>8}"),
             flush=True,
         )
 
@@ -157,10 +165,10 @@ def run(args) -> int:
                 continue
             for act in args.act.split(","):
                 for m in map(int, args.m.split(",")):
-                    show(_linear_row(m, n, k, act, args.repeats))
+                    show(_linear_row(m, n, k, act, args.repeats, dtype))
     if not args.no_attention:
         for bh in ATTENTION_BH:
-            for r in _bmm_rows(bh, args.repeats):
+            for r in _bmm_rows(bh, args.repeats, dtype):
                 show(r)
     # A busy machine only lowers the probe: measured again after the rows, the higher kept.
     peak_after = fma_peak_gflops(threads)
@@ -175,6 +183,7 @@ def run(args) -> int:
                 {
                     "cpu": cpu.model,
                     "threads": threads,
+                    "dtype": args.dtype,
                     "load": load,
                     "peak_gflops": max(peak, peak_after),
                     "rows": rows,

@@ -22,8 +22,11 @@ def llvm_target_json() -> dict:
     """The TVM target for this host CPU."""
     from tvm.target import codegen
 
+    cpu = host_cpu()
     target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
-    if host_cpu().arch == "aarch64":
+    if cpu.amx_bf16:  # LLVM may not know this CPU's model (a VM): name the tile features
+        target["mattr"] = ["+amx-tile", "+amx-bf16"]
+    if cpu.arch == "aarch64":
         target["mtriple"] = "aarch64-linux-gnu"
     return target
 

@@ -20,6 +20,8 @@ for M = 2.
 
 A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
 (``kernels/gemm_kblocked.py``).
+
+bfloat16 on a CPU with AMX tiles: the "gemm" and "dot" variants run ``cpu_amx.py`` instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
+from . import cpu_amx
 
 SCHEDULE_VERSION = 10  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
@@ -95,6 +98,8 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
+    if cpu_amx.applies(spec, cpu):
+        return cpu_amx.schedule_gemm_amx(spec)
     mr, nr, vec = register_tile(spec, cpu)
     kc = k_chunk(spec, cpu)
     if kc is not None:

@@ -1,0 +1,118 @@
+"""The bf16 GEMM on AMX tiles (schedules/cpu_amx.py): which specs take it, every M range and
+padded K, both B layouts, epilogues, NaN, and the code it compiles to. The tests that run
+kernels need a CPU with AMX (Sapphire Rapids or later); the others run everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+
+import torch_tvm_gemm as tg
+from torch_tvm_gemm.kernels.gemm import GemmSpec, torch_activation
+from torch_tvm_gemm.ops.gemm_ops import gemm_spec
+from torch_tvm_gemm.schedules import cpu_amx
+from torch_tvm_gemm.target import CpuInfo, host_cpu
+
+CPU = host_cpu()
+needs_amx = pytest.mark.skipif(not CPU.amx_bf16, reason="this CPU has no usable AMX tiles")
+BF16 = torch.bfloat16
+
+
+def reference(x, w, b, act):
+    """torch's result from the same bf16 inputs, summed in fp32 (as the tiles do)."""
+    y = F.linear(x.float(), w.float(), None if b is None else b.float())
+    return torch_activation(act)(y)
+
+
+def test_which_specs_run_on_tiles():
+    amx = dataclasses.replace(CPU, features=CPU.features | {"amx_tile", "amx_bf16"})
+    if not amx.amx_bf16:  # the flags alone are not enough: Linux must grant the tiles
+        pytest.skip("this process may not use AMX tiles")
+    linear = gemm_spec("bfloat16", 128, 768, 768, "nk", bias=True, activation="gelu")
+    assert cpu_amx.applies(linear, amx)
+    assert cpu_amx.applies(gemm_spec("bfloat16", 17, 768, 768, "nk"), amx)  # "dot" M
+    assert cpu_amx.applies(gemm_spec("bfloat16", 64, 768, 77, "kn", static_k=False), amx)
+    # Not: other dtypes, M = 1 and 2 (the weight read once), N not whole 32-column panels,
+    # an odd K of a Linear's weight (read in pairs), batched products, a per-row bias.
+    assert not cpu_amx.applies(dataclasses.replace(linear, dtype="float32"), amx)
+    assert not cpu_amx.applies(gemm_spec("bfloat16", 2, 768, 768, "nk"), amx)
+    assert not cpu_amx.applies(gemm_spec("bfloat16", 1, 768, 768, "nk"), amx)
+    assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 776, 768, "nk"), amx)
+    assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 768, 767, "nk"), amx)
+    assert not cpu_amx.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), amx)
+    assert not cpu_amx.applies(dataclasses.replace(linear, bias_axis="m"), amx)
+
+
+def test_no_tiles_without_the_flags():
+    plain = CpuInfo("x86_64", "", frozenset({"avx512f", "avx2", "fma"}))
+    assert not plain.amx_bf16
+    assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 768, 768, "nk"), plain)
+    assert not plain.key().endswith("-amx")
+
+
+def test_compiles_to_tile_instructions():
+    """Cross-compiled for an AMX target (no AMX needed to build): the tile product is there."""
+    import tvm
+
+    spec = gemm_spec("bfloat16", 128, 64, 96, "nk", bias=True, activation="relu")
+    mod = cpu_amx.schedule_gemm_amx(spec)
+    target = {"kind": "llvm", "mcpu": "sapphirerapids", "mtriple": "x86_64-linux-gnu"}
+    asm = tvm.compile(mod, target=tvm.target.Target(target)).mod.inspect_source("asm")
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+        assert instruction in asm, instruction
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [3, 7, 17, 33, 127, 513])
+@pytest.mark.parametrize("act", ["none", "relu", "gelu", "silu"])
+def test_linear_every_m(m, act):
+    k = 96  # three whole K steps
+    x, w, b = randn(m, k, dtype=BF16), randn(64, k, dtype=BF16), randn(64, dtype=BF16)
+    assert cpu_amx.applies(gemm_spec("bfloat16", m, 64, k, "nk", bias=True, activation=act), CPU)
+    assert_close(tg.linear(x, w, b, act), reference(x, w, b, act), k)
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [34, 80, 544], ids=["one-partial-step", "partial", "chunks"])
+@pytest.mark.parametrize("n", [32, 256, 512], ids=["1-panel", "2-per-task", "4-per-task"])
+def test_linear_padded_k_and_panel_groups(k, n):
+    """K not a multiple of the 32-value step (zero padding in both operands), more than one
+    K chunk of 256, and N split into tasks of 1, 2 and 4 panels."""
+    x, w = randn(45, k, dtype=BF16), randn(n, k, dtype=BF16)
+    assert_close(tg.linear(x, w, None, "none"), reference(x, w, None, "none"), k)
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [1, 33, 64, 301])
+@pytest.mark.parametrize("m", [5, 40, 100])
+def test_matmul_symbolic_k(m, k):
+    """torch.matmul's layout (K, N), one kernel for every K, odd K included."""
+    a, b = randn(m, k, dtype=BF16), randn(k, 96, dtype=BF16)
+    assert_close(tg.matmul(a, b), a.float() @ b.float(), k)
+
+
+@needs_amx
+def test_same_as_torch_bf16_linear():
+    """Against torch's own bf16 linear (oneDNN, also on AMX): equal to the rounding of the
+    last bit (the same fp32 sums, in another order)."""
+    x, w, b = randn(200, 768, dtype=BF16), randn(768, 768, dtype=BF16), randn(768, dtype=BF16)
+    ours, theirs = tg.linear(x, w, b, "none").float(), F.linear(x, w, b).float()
+    ulp = theirs.abs().clamp_min(1e-30) * 2.0**-7
+    assert ((ours - theirs).abs() <= ulp).float().mean() > 0.99
+
+
+@needs_amx
+def test_nan_and_inf_propagate():
+    x, w, b = randn(40, 64, dtype=BF16), randn(64, 64, dtype=BF16), randn(64, dtype=BF16)
+    x[3, 5] = float("nan")
+    x[7, 0] = float("inf")
+    y = tg.linear(x, w, b, "relu")
+    expected = reference(x, w, b, "relu")
+    assert torch.isnan(y[3]).all() and torch.isnan(expected[3]).all()
+    torch.testing.assert_close(torch.isnan(y), torch.isnan(expected.to(BF16)))
+    finite = ~torch.isnan(expected) & ~torch.isinf(expected)
+    assert_close(y[finite], expected[finite], 64)
