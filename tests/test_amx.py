@@ -36,12 +36,12 @@ def test_which_specs_run_on_tiles():
     assert cpu_amx.applies(linear, amx)
     assert cpu_amx.applies(gemm_spec("bfloat16", 17, 768, 768, "nk"), amx)  # "dot" M
     assert cpu_amx.applies(gemm_spec("bfloat16", 64, 768, 77, "kn", static_k=False), amx)
-    # Not: other dtypes, M = 1 and 2 (the weight read once), N not whole 32-column panels,
-    # an odd K of a Linear's weight (read in pairs), batched products, a per-row bias.
+    assert cpu_amx.applies(gemm_spec("bfloat16", 128, 50257, 768, "kn"), amx)  # a partial panel
+    # Not: other dtypes, M = 1 and 2 (the weight read once), an odd K of a Linear's weight
+    # (read in pairs), batched products, a per-row bias.
     assert not cpu_amx.applies(dataclasses.replace(linear, dtype="float32"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 2, 768, 768, "nk"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 1, 768, 768, "nk"), amx)
-    assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 776, 768, "nk"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 768, 767, "nk"), amx)
     assert not cpu_amx.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), amx)
     assert not cpu_amx.applies(dataclasses.replace(linear, bias_axis="m"), amx)
@@ -84,6 +84,19 @@ def test_linear_padded_k_and_panel_groups(k, n):
     K chunk of 256, and N split into tasks of 1, 2 and 4 panels."""
     x, w = randn(45, k, dtype=BF16), randn(n, k, dtype=BF16)
     assert_close(tg.linear(x, w, None, "none"), reference(x, w, None, "none"), k)
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [1, 40, 100], ids=["one-column", "1.25-panels", "3.1-panels"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_partial_last_panel(n, layout):
+    """N not a multiple of 32 (a vocabulary projection): the last panel's columns past N
+    read clamped, their sums never stored; the bias and activation still per column."""
+    x, w, b = randn(37, 64, dtype=BF16), randn(n, 64, dtype=BF16), randn(n, dtype=BF16)
+    assert cpu_amx.applies(gemm_spec("bfloat16", 37, n, 64, layout, bias=True), CPU)
+    # "kn": a weight stored (K, N), read through its transposed view (GPT-2's Conv1D)
+    weight = w if layout == "nk" else w.t().contiguous().t()
+    assert_close(tg.linear(x, weight, b, "relu"), reference(x, w, b, "relu"), 64)
 
 
 @needs_amx

@@ -36,7 +36,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -56,8 +56,6 @@ def applies(spec: GemmSpec, cpu: CpuInfo) -> bool:
     if spec.dtype != "bfloat16" or spec.device != "cpu" or not cpu.amx_bf16:
         return False
     if spec.batched or spec.variant not in VARIANTS or spec.bias_axis != "n":
-        return False
-    if spec.n % BLOCK != 0:
         return False
     return spec.b_layout == "kn" or (spec.k is not None and spec.k % 2 == 0)
 
@@ -85,7 +83,7 @@ def _amx_gemm_func(spec: GemmSpec):
 
     nk = spec.b_layout == "nk"
     N = spec.n
-    panels = N // BLOCK
+    panels = -(-N // BLOCK)  # the last one partial where N % 32 != 0
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("main")
@@ -107,7 +105,7 @@ def _amx_gemm_func(spec: GemmSpec):
             a_tiles = T.alloc_buffer((blocks * steps * BLOCK * K_STEP,), "uint16", align=64)
             _copy_a_tiles(T, tirx, a_words, a_tiles, M, K, blocks, steps)
 
-            group = panels_per_task(N)
+            group = panels_per_task(panels)
             panel_words = steps * TILE_ROWS * BLOCK
             with T.parallel(i64(0), i64(panels // group)) as task:
                 config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
@@ -123,7 +121,7 @@ def _amx_gemm_func(spec: GemmSpec):
                 if nk:
                     for g in range(group):
                         panel = task * group + g
-                        _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel, K, steps)
+                        _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel, K, N, steps)
                 else:
                     _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, K, N,
                              steps)  # fmt: skip
@@ -149,8 +147,7 @@ def _amx_gemm_func(spec: GemmSpec):
 PANELS_PER_TASK = 4
 
 
-def panels_per_task(n: int) -> int:
-    panels = n // BLOCK
+def panels_per_task(panels: int) -> int:
     for g in range(PANELS_PER_TASK, 1, -1):
         if panels % g == 0 and panels // g >= 4:
             return g
@@ -226,7 +223,14 @@ def _load_tile_config(T, tirx, config, tile_op):
     tile_op("ldtilecfg", tirx.address_of(config[0]))
 
 
-def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, steps):
+def _row(n, N):
+    """A weight row past N (a partial last panel) reads row N - 1: its sums are not stored."""
+    from tvm import tirx
+
+    return tirx.min(n, N - 1) if N % BLOCK else n
+
+
+def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps):
     """A weight (N, K), viewed as (N, K/2) 32-bit pairs, transposed for the panel's 32 rows:
     ``b_pairs[k2 * 32 + n] = pair (W[n, 2 k2], W[n, 2 k2 + 1])``; pairs past K zero.
     (The words are moved as float32 lanes: shuffles never change the bits.)"""
@@ -236,7 +240,8 @@ def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, steps):
     with T.serial(i64(0), whole) as kb:
         for half in range(2):
             n0 = panel * BLOCK + half * 16
-            rows = [b_words.vload([(n0 + r) * half_k + kb * 16], "float32x16") for r in range(16)]
+            rows = [b_words.vload([_row(n0 + r, N) * half_k + kb * 16], "float32x16")
+                    for r in range(16)]  # fmt: skip
             for c, column in enumerate(_transpose16(tirx, rows)):
                 at = base + (kb * 16 + c) * BLOCK + half * 16
                 T.buffer_store(b_pairs, column, [tirx.Ramp(at, i64(1), 16)])
@@ -245,7 +250,7 @@ def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, steps):
         with T.serial(i64(0), i64(BLOCK)) as n:
             value = tirx.if_then_else(
                 k2 < half_k,
-                b_words[(panel * BLOCK + n) * half_k + tirx.min(k2, half_k - 1)],
+                b_words[_row(panel * BLOCK + n, N) * half_k + tirx.min(k2, half_k - 1)],
                 tirx.const(0, "float32"),
             )
             T.buffer_store(b_pairs, value, [base + k2 * BLOCK + n])
@@ -259,15 +264,30 @@ def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, K, N, steps):
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     lo = [tirx.const(i // 2 + (i % 2) * 32, "int32") for i in range(32)]
     hi = [tirx.const(16 + i // 2 + (i % 2) * 32, "int32") for i in range(32)]
+
+    def interleave(k2, col, at):
+        pair = [b_words.vload([2 * k2 * N + col], "uint16x32"),
+                b_words.vload([(2 * k2 + 1) * N + col], "uint16x32")]  # fmt: skip
+        T.buffer_store(b_pairs16, tirx.Shuffle(pair, lo), [tirx.Ramp(at, i64(1), 32)])
+        T.buffer_store(b_pairs16, tirx.Shuffle(pair, hi), [tirx.Ramp(at + 32, i64(1), 32)])
+
+    def clamped(k2, col, at):  # a partial last panel: columns past N read column N - 1
+        with T.serial(i64(0), i64(BLOCK * 2)) as e:
+            n = tirx.min(col + e // 2, N - 1)
+            T.buffer_store(b_pairs16, b_words[(2 * k2 + e % 2) * N + n], [at + e])
+
     with T.serial(i64(0), K // 2) as k2:
         for g in range(group):
-            col = (task * group + g) * BLOCK
-            even = b_words.vload([2 * k2 * N + col], "uint16x32")
-            odd = b_words.vload([(2 * k2 + 1) * N + col], "uint16x32")
-            at = g * panel_size + k2 * BLOCK * 2
-            T.buffer_store(b_pairs16, tirx.Shuffle([even, odd], lo), [tirx.Ramp(at, i64(1), 32)])
-            T.buffer_store(b_pairs16, tirx.Shuffle([even, odd], hi),
-                           [tirx.Ramp(at + 32, i64(1), 32)])  # fmt: skip
+            panel = task * group + g
+            col, at = panel * BLOCK, g * panel_size + k2 * BLOCK * 2
+            if N % BLOCK == 0:
+                interleave(k2, col, at)
+            else:
+                with T.If(panel < N // BLOCK):
+                    with T.Then():
+                        interleave(k2, col, at)
+                    with T.Else():
+                        clamped(k2, col, at)
     # An odd K's last row pairs with zero; then the zero padding up to whole K steps.
     with T.serial(K // 2, steps * TILE_ROWS) as k2:
         for g in range(group):
@@ -275,7 +295,10 @@ def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, K, N, steps):
                 k = 2 * k2 + e % 2
                 value = tirx.if_then_else(
                     k < K,
-                    b_words[tirx.min(k, K - 1) * N + (task * group + g) * BLOCK + e // 2],
+                    b_words[
+                        tirx.min(k, K - 1) * N
+                        + tirx.min((task * group + g) * BLOCK + e // 2, N - 1)
+                    ],
                     tirx.const(0, "uint16"),
                 )
                 T.buffer_store(b_pairs16, value, [g * panel_size + k2 * BLOCK * 2 + e])
@@ -303,16 +326,33 @@ def _transpose16(tirx, rows):
 
 
 def _epilogue(T, tirx, spec: GemmSpec, c_acc, c_base, bias, out, M, block, panel):
-    """The block's real rows: bias, activation (fp32), cast to bf16, 32 columns a row."""
+    """The block's real outputs: bias, activation (fp32), cast to bf16; a whole panel's rows
+    as vectors of 32, a partial last panel's (N % 32 != 0) element by element."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    N = spec.n
+
+    def store(r, row, j):
+        col = panel * BLOCK + j
+        value = c_acc[c_base + r * BLOCK + j]
+        if spec.bias:
+            value = value + bias[col].astype("float32")
+        value = apply_activation(value, spec.activation, "float32", "cpu")
+        T.buffer_store(out, value.astype("bfloat16"), [row, col])
+
+    def store_row(r, row):
+        with T.vectorized(i64(0), i64(BLOCK)) as j:
+            store(r, row, j)
+
     with T.serial(i64(0), i64(BLOCK)) as r:
         row = block * BLOCK + r
         with T.If(row < M):
             with T.Then():
-                with T.vectorized(i64(0), i64(BLOCK)) as j:
-                    col = panel * BLOCK + j
-                    value = c_acc[c_base + r * BLOCK + j]
-                    if spec.bias:
-                        value = value + bias[col].astype("float32")
-                    value = apply_activation(value, spec.activation, "float32", "cpu")
-                    T.buffer_store(out, value.astype("bfloat16"), [row, col])
+                if N % BLOCK == 0:
+                    store_row(r, row)
+                else:
+                    with T.If(panel < N // BLOCK):
+                        with T.Then():
+                            store_row(r, row)
+                        with T.Else():
+                            with T.serial(i64(0), N - panel * BLOCK) as j:
+                                store(r, row, j)
