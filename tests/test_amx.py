@@ -37,14 +37,14 @@ def test_which_specs_run_on_tiles():
     assert cpu_amx.applies(gemm_spec("bfloat16", 17, 768, 768, "nk"), amx)  # "dot" M
     assert cpu_amx.applies(gemm_spec("bfloat16", 64, 768, 77, "kn", static_k=False), amx)
     assert cpu_amx.applies(gemm_spec("bfloat16", 128, 50257, 768, "kn"), amx)  # a partial panel
+    assert cpu_amx.applies(dataclasses.replace(linear, bias_axis="m"), amx)  # a 1x1 conv
     # Not: other dtypes, M = 1 and 2 (the weight read once), an odd K of a Linear's weight
-    # (read in pairs), batched products, a per-row bias.
+    # (read in pairs), batched products.
     assert not cpu_amx.applies(dataclasses.replace(linear, dtype="float32"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 2, 768, 768, "nk"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 1, 768, 768, "nk"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 768, 767, "nk"), amx)
     assert not cpu_amx.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), amx)
-    assert not cpu_amx.applies(dataclasses.replace(linear, bias_axis="m"), amx)
 
 
 def test_no_tiles_without_the_flags():
@@ -129,3 +129,48 @@ def test_nan_and_inf_propagate():
     torch.testing.assert_close(torch.isnan(y), torch.isnan(expected.to(BF16)))
     finite = ~torch.isnan(expected) & ~torch.isinf(expected)
     assert_close(y[finite], expected[finite], 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("act", ["relu", "relu6"])
+def test_pointwise_conv_on_tiles(act):
+    """A bf16 1x1 conv of any size runs as one tile GEMM per image (W @ x[n], a bias per
+    output channel, i.e. per row; 14 x 14 = 196 pixels: a partial last panel)."""
+    from torch_tvm_gemm import ops
+    from torch_tvm_gemm.schedules.cpu_conv2d import pointwise_as_gemm
+
+    x, w, b = (
+        randn(2, 96, 14, 14, dtype=BF16),
+        randn(128, 96, 1, 1, dtype=BF16),
+        randn(128, dtype=BF16),
+    )
+    conv_args = ((1, 1), (0, 0), (1, 1), 1, False, act)
+    assert pointwise_as_gemm(ops.conv2d_spec(x, w, b, *conv_args[:5], None, act))
+    assert cpu_amx.applies(gemm_spec("bfloat16", 128, 196, 96, "kn", bias=True, bias_axis="m"), CPU)
+    y = torch.ops.tvm_gemm.conv2d_bias_relu(x, w, b, *conv_args)
+    expected = F.conv2d(x.float(), w.float(), b.float())
+    expected = F.relu(expected) if act == "relu" else F.relu6(expected)
+    assert_close(y, expected, 96)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "r, stride, padding, dilation",
+    [(3, 1, 1, 1), (3, 2, 1, 1), (1, 2, 0, 1), (3, 1, 2, 2), (1, 1, 1, 1)],
+)
+def test_unfolded_conv_on_tiles(r, stride, padding, dilation):
+    """Strided or padded 1x1 bf16 convs, and 3x3 ones of small images with many channels,
+    run as a tile GEMM per image over the unfolded input."""
+    from torch_tvm_gemm import ops
+    from torch_tvm_gemm.schedules.cpu_conv2d import im2col_as_gemm
+
+    x, w = randn(2, 128, 9, 8, dtype=BF16), randn(40, 128, r, r, dtype=BF16)
+    b = randn(40, dtype=BF16)
+    conv_args = ((stride,) * 2, (padding,) * 2, (dilation,) * 2, 1, True)
+    assert im2col_as_gemm(ops.conv2d_spec(x, w, b, *conv_args))
+    y = torch.ops.tvm_gemm.conv2d_bias_relu(x, w, b, *conv_args)
+    expected = F.relu(F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation))
+    assert_close(y, expected, 128 * r * r)
+    # a big image's 3x3 conv stays on the conv kernel (there it is faster)
+    big, w3 = randn(1, 128, 30, 30, dtype=BF16), randn(40, 128, 3, 3, dtype=BF16)
+    assert not im2col_as_gemm(ops.conv2d_spec(big, w3, b, (1, 1), (1, 1), (1, 1), 1, True))

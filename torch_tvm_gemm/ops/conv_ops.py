@@ -16,7 +16,7 @@ from ..kernels.conv2d import Conv2dSpec, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
-from ..schedules.cpu_conv2d import pointwise_as_gemm
+from ..schedules.cpu_conv2d import im2col_as_gemm, pointwise_as_gemm
 from .checks import (
     CONV,
     DTYPE_NAMES,
@@ -92,6 +92,8 @@ def _conv2d_impl(
     spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, None, activation)
     if pointwise_as_gemm(spec):
         return _pointwise_conv(x, weight, bias, spec.activation, out)
+    if im2col_as_gemm(spec):
+        return _unfolded_conv(x, weight, bias, spec, out)
     kernel = get_kernel(spec)
     sync_threads()
     # The kernel reads the weight in torch's layout and packs it itself, at every call: no
@@ -107,15 +109,26 @@ def _conv2d_impl(
 
 def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, out: Tensor):
     """A 1x1 conv as one GEMM per image, ``out[n] = act(W @ x[n] + bias[:, None])`` over
-    the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why).
+    the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why)."""
+    n, c = x.shape[:2]
+    return _gemm_per_image(weight.reshape(weight.shape[0], c), x.contiguous().view(n, c, -1),
+                           bias, act, out)  # fmt: skip
+
+
+def _unfolded_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
+    """Any other conv as one GEMM per image over its unfolded input (im2col: ``F.unfold``,
+    (C * R * S) x pixels per image; ``schedules/cpu_conv2d.im2col_as_gemm`` says when)."""
+    cols = torch.nn.functional.unfold(x, (spec.r, spec.s), spec.dilation, spec.padding, spec.stride)
+    return _gemm_per_image(weight.reshape(weight.shape[0], -1), cols, bias, spec.activation, out)
+
+
+def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, out: Tensor):
+    """``out[n] = act(w @ pixels[n] + bias[:, None])`` for each image n.
 
     An activation the GEMM kernel lacks (relu6, hardswish) is torch's, in place on each
     image's output while it is in cache: the GEMM kernel is what makes these convs fast
     (1.5-2x the blocked conv kernel), the extra pass costs little."""
-    n, c = x.shape[:2]
-    k = weight.shape[0]
-    w = weight.reshape(k, c)
-    pixels = x.contiguous().view(n, c, -1)
+    n, k = pixels.shape[0], w.shape[0]
     dest = out.view(n, k, -1)
     fused = act if act in GEMM_ACTIVATIONS else "none"
     for i in range(n):
@@ -143,6 +156,9 @@ def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, ac
         if device == "cpu" and pointwise_as_gemm(spec):
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
             return _pointwise_conv(x, weight, bias, act, out)  # GEMMs, which plan theirs
+        if device == "cpu" and im2col_as_gemm(spec):
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            return _unfolded_conv(x, weight, bias, spec, out)
         found.record(spec)
     if not found.compute:
         return x.new_empty(shape)

@@ -55,7 +55,7 @@ def applies(spec: GemmSpec, cpu: CpuInfo) -> bool:
     32-column panels (a Linear's weight also needs a static, even K, read in 32-bit pairs)."""
     if spec.dtype != "bfloat16" or spec.device != "cpu" or not cpu.amx_bf16:
         return False
-    if spec.batched or spec.variant not in VARIANTS or spec.bias_axis != "n":
+    if spec.batched or spec.variant not in VARIANTS:
         return False
     return spec.b_layout == "kn" or (spec.k is not None and spec.k % 2 == 0)
 
@@ -96,7 +96,8 @@ def _amx_gemm_func(spec: GemmSpec):
             handles.append(T.arg("out", T.handle()))
             A = T.match_buffer(handles[0], (M, K), "bfloat16")
             B = T.match_buffer(handles[1], (N, K) if nk else (K, N), "bfloat16")
-            bias = T.match_buffer(handles[2], (N,), "bfloat16") if spec.bias else None
+            bias_len = M if spec.bias_axis == "m" else N  # per row: a 1x1 conv as W @ X
+            bias = T.match_buffer(handles[2], (bias_len,), "bfloat16") if spec.bias else None
             out = T.match_buffer(handles[-1], (M, N), "bfloat16")
 
             steps = (K + K_STEP - 1) // K_STEP  # K steps of 32, K zero-padded
@@ -335,7 +336,7 @@ def _epilogue(T, tirx, spec: GemmSpec, c_acc, c_base, bias, out, M, block, panel
         col = panel * BLOCK + j
         value = c_acc[c_base + r * BLOCK + j]
         if spec.bias:
-            value = value + bias[col].astype("float32")
+            value = value + bias[row if spec.bias_axis == "m" else col].astype("float32")
         value = apply_activation(value, spec.activation, "float32", "cpu")
         T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
