@@ -155,22 +155,47 @@ def test_pointwise_conv_on_tiles(act):
 
 @needs_amx
 @pytest.mark.parametrize(
-    "r, stride, padding, dilation",
-    [(3, 1, 1, 1), (3, 2, 1, 1), (1, 2, 0, 1), (3, 1, 2, 2), (1, 1, 1, 1)],
+    "r, stride, padding, dilation, act",
+    [
+        (3, 1, 1, 1, "relu"),
+        (3, 2, 1, 1, "none"),
+        (1, 2, 0, 1, "relu6"),
+        (3, 1, 2, 2, "silu"),
+        (1, 1, 1, 1, "hardswish"),
+        (5, 3, 1, 1, "relu"),
+    ],
 )
-def test_unfolded_conv_on_tiles(r, stride, padding, dilation):
-    """Strided or padded 1x1 bf16 convs, and 3x3 ones of small images with many channels,
-    run as a tile GEMM per image over the unfolded input."""
+def test_nhwc_conv_on_tiles(r, stride, padding, dilation, act):
+    """Other bf16 convs with whole 32-channel steps (groups 1): the AMX implicit GEMM, taps
+    in the padding read as zero, every activation, an output size not a multiple of 32."""
     from torch_tvm_gemm import ops
-    from torch_tvm_gemm.schedules.cpu_conv2d import im2col_as_gemm
+    from torch_tvm_gemm.kernels.conv2d import torch_activation as conv_activation
+    from torch_tvm_gemm.schedules.cpu_conv2d import nhwc_on_tiles
 
-    x, w = randn(2, 128, 9, 8, dtype=BF16), randn(40, 128, r, r, dtype=BF16)
+    x, w = randn(2, 64, 11, 9, dtype=BF16), randn(40, 64, r, r, dtype=BF16)
     b = randn(40, dtype=BF16)
-    conv_args = ((stride,) * 2, (padding,) * 2, (dilation,) * 2, 1, True)
-    assert im2col_as_gemm(ops.conv2d_spec(x, w, b, *conv_args))
-    y = torch.ops.tvm_gemm.conv2d_bias_relu(x, w, b, *conv_args)
-    expected = F.relu(F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation))
-    assert_close(y, expected, 128 * r * r)
-    # a big image's 3x3 conv stays on the conv kernel (there it is faster)
-    big, w3 = randn(1, 128, 30, 30, dtype=BF16), randn(40, 128, 3, 3, dtype=BF16)
-    assert not im2col_as_gemm(ops.conv2d_spec(big, w3, b, (1, 1), (1, 1), (1, 1), 1, True))
+    geometry = ((stride,) * 2, (padding,) * 2, (dilation,) * 2, 1)
+    assert nhwc_on_tiles(ops.conv2d_spec(x, w, b, *geometry, False, None, act))
+    y = torch.ops.tvm_gemm.conv2d_bias_relu(x, w, b, *geometry, False, act)
+    expected = F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation)
+    assert y.shape == expected.shape and y.is_contiguous()
+    assert_close(y, conv_activation(act)(expected), 64 * r * r)
+    # channels_last input, no bias: the same kernel's numbers
+    y_cl = torch.ops.tvm_gemm.conv2d_bias_relu(
+        x.to(memory_format=torch.channels_last), w, None, *geometry, False, act
+    )
+    expected = F.conv2d(x.float(), w.float(), None, stride, padding, dilation)
+    assert_close(y_cl, conv_activation(act)(expected), 64 * r * r)
+
+
+def test_nhwc_conv_needs_whole_channel_steps():
+    from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
+    from torch_tvm_gemm.schedules import cpu_amx_conv
+
+    amx = dataclasses.replace(CPU, features=CPU.features | {"amx_tile", "amx_bf16"})
+    if not amx.amx_bf16:
+        pytest.skip("this process may not use AMX tiles")
+    assert cpu_amx_conv.applies(Conv2dSpec("bfloat16", 64, 64, 3, 3, 56, 56), amx)
+    assert not cpu_amx_conv.applies(Conv2dSpec("bfloat16", 3, 64, 7, 7, 224, 224), amx)
+    assert not cpu_amx_conv.applies(Conv2dSpec("float32", 64, 64, 3, 3, 56, 56), amx)
+    assert not cpu_amx_conv.applies(Conv2dSpec("bfloat16", 64, 64, 3, 3, 9, 9, groups=2), amx)

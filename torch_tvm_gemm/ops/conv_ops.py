@@ -16,7 +16,7 @@ from ..kernels.conv2d import Conv2dSpec, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
-from ..schedules.cpu_conv2d import im2col_as_gemm, pointwise_as_gemm
+from ..schedules.cpu_conv2d import nhwc_on_tiles, pointwise_as_gemm
 from .checks import (
     CONV,
     DTYPE_NAMES,
@@ -92,8 +92,8 @@ def _conv2d_impl(
     spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, None, activation)
     if pointwise_as_gemm(spec):
         return _pointwise_conv(x, weight, bias, spec.activation, out)
-    if im2col_as_gemm(spec):
-        return _unfolded_conv(x, weight, bias, spec, out)
+    if nhwc_on_tiles(spec):
+        return _nhwc_conv(x, weight, bias, spec, out)
     kernel = get_kernel(spec)
     sync_threads()
     # The kernel reads the weight in torch's layout and packs it itself, at every call: no
@@ -115,11 +115,21 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, ou
                            bias, act, out)  # fmt: skip
 
 
-def _unfolded_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
-    """Any other conv as one GEMM per image over its unfolded input (im2col: ``F.unfold``,
-    (C * R * S) x pixels per image; ``schedules/cpu_conv2d.im2col_as_gemm`` says when)."""
-    cols = torch.nn.functional.unfold(x, (spec.r, spec.s), spec.dilation, spec.padding, spec.stride)
-    return _gemm_per_image(weight.reshape(weight.shape[0], -1), cols, bias, spec.activation, out)
+def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
+    """The bf16 AMX implicit GEMM (``schedules/cpu_amx_conv.py``): an NHWC copy of x (none
+    for a channels_last x), the weight as (K, R*S*C), the NHWC result copied into ``out``."""
+    kernel = get_kernel(spec)
+    sync_threads()
+    n, k = x.shape[0], weight.shape[0]
+    x_nhwc = x.permute(0, 2, 3, 1).contiguous()
+    w_ohwi = weight.permute(0, 2, 3, 1).reshape(k, -1).contiguous()
+    y = torch.empty((n * spec.out_h * spec.out_w, k), dtype=x.dtype, device=x.device)
+    args = [aligned(x_nhwc), aligned(w_ohwi)] + (
+        [aligned(bias.contiguous())] if bias is not None else []
+    )
+    kernel(*args, y)
+    out.copy_(y.view(n, spec.out_h, spec.out_w, k).permute(0, 3, 1, 2))
+    return out
 
 
 def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, out: Tensor):
@@ -156,9 +166,6 @@ def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, ac
         if device == "cpu" and pointwise_as_gemm(spec):
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
             return _pointwise_conv(x, weight, bias, act, out)  # GEMMs, which plan theirs
-        if device == "cpu" and im2col_as_gemm(spec):
-            out = torch.empty(shape, dtype=x.dtype, device=x.device)
-            return _unfolded_conv(x, weight, bias, spec, out)
         found.record(spec)
     if not found.compute:
         return x.new_empty(shape)

@@ -3,19 +3,19 @@
 | family | cpu | cuda |
 |---|---|---|
 | gemm | ``cpu.schedule_gemm`` (bf16 on AMX: ``cpu_amx``) | ``cuda.schedule_gemm`` (mma.sync / WMMA / TF32 / SIMT) |
-| conv2d | ``cpu_conv2d.schedule_conv2d`` (depthwise: ``cpu_depthwise``) | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
+| conv2d | ``cpu_conv2d.schedule_conv2d`` (depthwise: ``cpu_depthwise``; bf16 on AMX: ``cpu_amx_conv``) | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
 
 ``cuda_intrin`` holds the tensor-core intrinsics, ``cuda_wgmma`` the Hopper TMA + wgmma
 kernel. Each schedule module has its own ``SCHEDULE_VERSION``; ``version(family, device)``
 is what the kernel cache key holds, so a change to one schedule rebuilds only its kernels
-(the CPU conv2d key holds both ``cpu_conv2d``'s and ``cpu_depthwise``'s, the CPU GEMM key
-``cpu``'s and ``cpu_amx``'s).
+(the CPU conv2d key holds ``cpu_conv2d``'s, ``cpu_depthwise``'s and ``cpu_amx_conv``'s, the
+CPU GEMM key ``cpu``'s and ``cpu_amx``'s).
 The modules import ``tvm`` only inside their functions: importing them here is cheap.
 """
 
 from __future__ import annotations
 
-from . import cpu, cpu_amx, cpu_conv2d, cpu_depthwise, cuda, cuda_conv2d
+from . import cpu, cpu_amx, cpu_amx_conv, cpu_conv2d, cpu_depthwise, cuda, cuda_conv2d
 
 _MODULES = {
     ("gemm", "cpu"): cpu,
@@ -37,8 +37,9 @@ def module(family: str, device: str):
 
 def version(family: str, device: str) -> int | tuple[int, ...]:
     """The schedule version in the cache key of a (family, device) kernel."""
-    if (family, device) == ("conv2d", "cpu"):  # its depthwise kernels have their own module
-        return (cpu_conv2d.SCHEDULE_VERSION, cpu_depthwise.SCHEDULE_VERSION)
+    if (family, device) == ("conv2d", "cpu"):  # its depthwise and AMX kernels: own modules
+        versions = (cpu_conv2d.SCHEDULE_VERSION, cpu_depthwise.SCHEDULE_VERSION)
+        return versions + (cpu_amx_conv.SCHEDULE_VERSION,)
     if (family, device) == ("gemm", "cpu"):  # and its bf16 kernels on AMX tiles theirs
         return (cpu.SCHEDULE_VERSION, cpu_amx.SCHEDULE_VERSION)
     return module(family, device).SCHEDULE_VERSION

@@ -72,24 +72,14 @@ def _amx_gemm_func(spec: GemmSpec):
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    def i64(v):
-        return tirx.const(v, "int64")
-
-    def tile_op(name, *args):
-        T.evaluate(tirx.call_llvm_intrin("void", "llvm.x86." + name, *args))
-
-    def tmm(t):  # a tile register number: an immediate operand
-        return tirx.const(t, "int8")
-
     nk = spec.b_layout == "nk"
     N = spec.n
-    panels = -(-N // BLOCK)  # the last one partial where N % 32 != 0
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("main")
             T.func_attr({"tir.noalias": True})
             M = tirx.Var("M", "int64")
-            K = i64(spec.k) if spec.k is not None else tirx.Var("K", "int64")
+            K = tirx.const(spec.k, "int64") if spec.k is not None else tirx.Var("K", "int64")
             handles = [T.arg(name, T.handle()) for name in ("A", "B")]
             if spec.bias:
                 handles.append(T.arg("bias", T.handle()))
@@ -99,47 +89,81 @@ def _amx_gemm_func(spec: GemmSpec):
             bias_len = M if spec.bias_axis == "m" else N  # per row: a 1x1 conv as W @ X
             bias = T.match_buffer(handles[2], (bias_len,), "bfloat16") if spec.bias else None
             out = T.match_buffer(handles[-1], (M, N), "bfloat16")
-
-            steps = (K + K_STEP - 1) // K_STEP  # K steps of 32, K zero-padded
-            blocks = (M + BLOCK - 1) // BLOCK  # 32-row blocks of A, M zero-padded
             a_words = T.decl_buffer((M * K,), "uint16", data=A.data)
-            a_tiles = T.alloc_buffer((blocks * steps * BLOCK * K_STEP,), "uint16", align=64)
-            _copy_a_tiles(T, tirx, a_words, a_tiles, M, K, blocks, steps)
 
-            group = panels_per_task(panels)
-            panel_words = steps * TILE_ROWS * BLOCK
-            with T.parallel(i64(0), i64(panels // group)) as task:
-                config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
-                b_pairs = T.alloc_buffer((group * panel_words,), "float32", align=64)
-                c_acc = T.alloc_buffer((group * BLOCK * BLOCK,), "float32", align=64)
-                _load_tile_config(T, tirx, config, tile_op)
-                if nk:
-                    b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data)
-                else:
-                    b_words = T.decl_buffer((K * N,), "uint16", data=B.data)
-                    b_pairs16 = T.decl_buffer((group * panel_words * 2,), "uint16",
-                                              data=b_pairs.data)  # fmt: skip
-                if nk:
-                    for g in range(group):
-                        panel = task * group + g
-                        _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel, K, N, steps)
-                else:
-                    _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, K, N,
-                             steps)  # fmt: skip
-                # Per 32-row block of A, K in chunks: a chunk of the block (16 KiB) stays in L1
-                # while the task's panels use it in turn, their running sums kept in c_acc.
-                chunks = (steps + CHUNK_STEPS - 1) // CHUNK_STEPS
-                with T.serial(i64(0), blocks) as block:
-                    with T.serial(i64(0), chunks) as chunk:
-                        for g in range(group):
-                            _tile_product(T, tirx, tile_op, tmm, a_tiles, b_pairs,
-                                          c_acc, g * BLOCK * BLOCK, block, steps, chunk,
-                                          g * panel_words)  # fmt: skip
-                    for g in range(group):
-                        _epilogue(T, tirx, spec, c_acc, g * BLOCK * BLOCK, bias, out, M, block,
-                                  task * group + g)  # fmt: skip
-                tile_op("tilerelease")
+            def fill_a(a_tiles, blocks, steps):
+                _copy_a_tiles(T, tirx, a_words, a_tiles, M, K, blocks, steps)
+
+            def finish(row, col, value):
+                if spec.bias:
+                    value = value + bias[row if spec.bias_axis == "m" else col].astype("float32")
+                value = apply_activation(value, spec.activation, "float32", "cpu")
+                T.buffer_store(out, value.astype("bfloat16"), [row, col])
+
+            tile_gemm(T, tirx, M, N, K, B, nk, fill_a, finish)
     return ib.get()
+
+
+def tile_gemm(T, tirx, M, N, K, B, nk: bool, fill_a, finish, fill_block=None) -> None:
+    """The body of a tile GEMM inside an IR builder's prim_func: ``fill_a(a_tiles, blocks,
+    steps)`` writes A's tiles (``[block][step][32 rows][32]``, zero past M and K), B is the
+    (N, K) weight (``nk``) or a (K, N) matrix, and ``finish(row, col, value)`` stores one
+    fp32 sum of the real (M, N) outputs. (``schedules/cpu_amx_conv.py`` uses it too.)
+
+    With ``fill_block(a_block, block, steps)`` instead of ``fill_a``, each task writes the
+    tiles of one block at a time, right before it uses them (a gathered A, as the conv's,
+    is then never written out to memory and read back: the whole A outgrows L2)."""
+
+    def i64(v):
+        return tirx.const(v, "int64")
+
+    def tile_op(name, *args):
+        T.evaluate(tirx.call_llvm_intrin("void", "llvm.x86." + name, *args))
+
+    def tmm(t):  # a tile register number: an immediate operand
+        return tirx.const(t, "int8")
+
+    panels = -(-N // BLOCK)  # the last one partial where N % 32 != 0
+    steps = (K + K_STEP - 1) // K_STEP  # K steps of 32, K zero-padded
+    blocks = (M + BLOCK - 1) // BLOCK  # 32-row blocks of A, M zero-padded
+    if fill_block is None:
+        a_tiles = T.alloc_buffer((blocks * steps * BLOCK * K_STEP,), "uint16", align=64)
+        fill_a(a_tiles, blocks, steps)
+
+    group = panels_per_task(panels)
+    panel_words = steps * TILE_ROWS * BLOCK
+    with T.parallel(i64(0), i64(panels // group)) as task:
+        config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
+        b_pairs = T.alloc_buffer((group * panel_words,), "float32", align=64)
+        c_acc = T.alloc_buffer((group * BLOCK * BLOCK,), "float32", align=64)
+        if fill_block is not None:
+            a_tiles = T.alloc_buffer((steps * BLOCK * K_STEP,), "uint16", align=64)
+        _load_tile_config(T, tirx, config, tile_op)
+        if nk:
+            b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data)
+            for g in range(group):
+                panel = task * group + g
+                _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel, K, N, steps)
+        else:
+            b_words = T.decl_buffer((K * N,), "uint16", data=B.data)
+            b_pairs16 = T.decl_buffer((group * panel_words * 2,), "uint16", data=b_pairs.data)
+            _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, K, N, steps)
+        # Per 32-row block of A, K in chunks: a chunk of the block (16 KiB) stays in L1
+        # while the task's panels use it in turn, their running sums kept in c_acc.
+        chunks = (steps + CHUNK_STEPS - 1) // CHUNK_STEPS
+        with T.serial(i64(0), blocks) as block:
+            if fill_block is not None:
+                fill_block(a_tiles, block, steps)
+            slot = block if fill_block is None else i64(0)  # the block's place in a_tiles
+            with T.serial(i64(0), chunks) as chunk:
+                for g in range(group):
+                    _tile_product(T, tirx, tile_op, tmm, a_tiles, b_pairs, c_acc,
+                                  g * BLOCK * BLOCK, slot, steps, chunk,
+                                  g * panel_words)  # fmt: skip
+            for g in range(group):
+                _epilogue(T, tirx, N, c_acc, g * BLOCK * BLOCK, M, block, task * group + g,
+                          finish)  # fmt: skip
+        tile_op("tilerelease")
 
 
 # Panels (of 32 columns) per parallel task: a task's packed panels stay in L2 while each
@@ -326,19 +350,13 @@ def _transpose16(tirx, rows):
     return rows
 
 
-def _epilogue(T, tirx, spec: GemmSpec, c_acc, c_base, bias, out, M, block, panel):
-    """The block's real outputs: bias, activation (fp32), cast to bf16; a whole panel's rows
-    as vectors of 32, a partial last panel's (N % 32 != 0) element by element."""
+def _epilogue(T, tirx, N, c_acc, c_base, M, block, panel, finish):
+    """The block's real outputs through ``finish``: a whole panel's rows as vectors of 32, a
+    partial last panel's (N % 32 != 0) element by element."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    N = spec.n
 
     def store(r, row, j):
-        col = panel * BLOCK + j
-        value = c_acc[c_base + r * BLOCK + j]
-        if spec.bias:
-            value = value + bias[row if spec.bias_axis == "m" else col].astype("float32")
-        value = apply_activation(value, spec.activation, "float32", "cpu")
-        T.buffer_store(out, value.astype("bfloat16"), [row, col])
+        finish(row, panel * BLOCK + j, c_acc[c_base + r * BLOCK + j])
 
     def store_row(r, row):
         with T.vectorized(i64(0), i64(BLOCK)) as j:

@@ -31,30 +31,17 @@ import functools
 
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
+from . import cpu_amx_conv
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
 SCHEDULE_VERSION = 6  # bump when a schedule changes the binary: it is part of the cache key
 
 
-# bf16 convs on a CPU with AMX tiles that still run as a GEMM per image, over the unfolded
-# input (im2col): strided 1x1 convs and the 3x3 convs of small images with many channels.
-# Measured (1 thread, Intel Xeon, bf16, batch 1, against oneDNN's AMX conv; GEMM route vs
-# conv kernel): 56x56 256->512 1x1 stride 2 1.18x vs 0.19x; 7x7 512->512 3x3 0.97x vs 0.56x;
-# 14x14 256->256 3x3 0.55x vs 0.38x; but 28x28 128->128 0.29x vs 0.33x, 56x56 64->64 0.19x vs
-# 0.40x, the 7x7 stride-2 stem 0.58x vs 1.06x (the unfolded input, R*S times the image, is
-# then packed per call for a GEMM of few rows).
-IM2COL_MAX_PIXELS = 196
-IM2COL_MIN_C = 128
-
-
-def im2col_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
-    """Whether ops/conv_ops.py runs ``spec`` (not a 1x1 GEMM already) as a GEMM per image
-    over its unfolded input: bf16 where the GEMM runs on AMX tiles and the conv kernels
-    compute in fp32, in the cases above. Grouped convs stay on the conv kernels."""
-    if spec.dtype != "bfloat16" or spec.groups != 1 or pointwise_as_gemm(spec, cpu):
-        return False
-    small = spec.out_h * spec.out_w <= IM2COL_MAX_PIXELS and spec.c >= IM2COL_MIN_C
-    return (spec.r == spec.s == 1 or small) and (cpu or host_cpu()).amx_bf16
+def nhwc_on_tiles(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
+    """Whether ops/conv_ops.py runs ``spec`` as the AMX implicit GEMM of ``cpu_amx_conv``
+    (bf16, channels-last in and out; the 1x1 convs that are a GEMM per image stay so)."""
+    cpu = cpu or host_cpu()
+    return cpu_amx_conv.applies(spec, cpu) and not pointwise_as_gemm(spec, cpu)
 
 
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]
@@ -70,9 +57,9 @@ POINTWISE_GEMM_MIN_P = 1024
 
 def pointwise_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
     """Whether ops/conv_ops.py runs ``spec`` through the GEMM kernel (per image) instead.
-    Every such bf16 conv where the GEMM runs on AMX tiles (``cpu_amx``), which the conv
-    kernels do not use (they compute bf16 in fp32): measured, ResNet-50's 1x1 convs at batch
-    1, 2 threads, Intel Xeon (see README)."""
+    Every such bf16 conv where the GEMM runs on AMX tiles (``cpu_amx``): measured (1 thread,
+    Intel Xeon, batch 1, against oneDNN's AMX conv) 1.8-1.9x at 56x56 256->64 and 14x14
+    1024->256, where the fp32 conv kernel ran at 0.5x."""
     pointwise = (
         spec.r == spec.s == 1
         and spec.stride == (1, 1)
@@ -168,6 +155,8 @@ def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
+    if tile is None and nhwc_on_tiles(spec, cpu):
+        return cpu_amx_conv.schedule_conv2d_amx(spec)
     vec = _vec(spec, cpu)
     tile = tile or blocked_tile(spec, cpu)
     if tile is None and is_depthwise(spec):

@@ -1,0 +1,113 @@
+"""bfloat16 conv2d on Intel AMX tiles: an implicit GEMM over channels-last pixels.
+
+The conv kernels of ``cpu_conv2d.py`` compute bf16 in fp32 (TVM 0.27 legalises bf16 vector
+math to fp32), at a fraction of oneDNN's AMX convs. This kernel is the tile GEMM of
+``cpu_amx.py`` with another A: one row per output pixel, its columns the (R, S, C) patch
+under the filter, gathered straight from an NHWC input into A's 1 KiB tiles (a 32-value step
+is 32 channels of one filter tap, contiguous in NHWC, hence C % 32 == 0); zero where the
+tap falls into the padding. B is the weight as a (K, R*S*C) matrix (OIHW permuted to OHWI).
+The result is the NHWC output, (batch * OH * OW, K), with bias and activation applied.
+
+``ops/conv_ops.py`` hands it an NHWC copy of the input and the permuted weight, and copies
+the output back to NCHW (two passes over activations, small beside the conv's math).
+"""
+
+from __future__ import annotations
+
+from ..kernels.conv2d import Conv2dSpec, activate
+from ..target import CpuInfo
+from . import cpu_amx
+
+SCHEDULE_VERSION = 1
+
+
+def applies(spec: Conv2dSpec, cpu: CpuInfo) -> bool:
+    """Whether ``spec`` runs here: bf16, groups 1, whole 32-channel steps, AMX usable."""
+    return (
+        spec.dtype == "bfloat16"
+        and spec.device == "cpu"
+        and spec.groups == 1
+        and spec.c % cpu_amx.K_STEP == 0
+        and cpu.amx_bf16
+    )
+
+
+def schedule_conv2d_amx(spec: Conv2dSpec):
+    """The IRModule ``main(x_nhwc, weight_ohwi, [bias,] out_nhwc)`` of ``spec``."""
+    import tvm
+
+    return tvm.IRModule({"main": _amx_conv_func(spec)})
+
+
+def _amx_conv_func(spec: Conv2dSpec):
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    def i64(v):
+        return tirx.const(v, "int64")
+
+    C, H, W, R, S = spec.c, spec.h, spec.w, spec.r, spec.s
+    OH, OW, N = spec.out_h, spec.out_w, spec.k
+    K = R * S * C
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("main")
+            T.func_attr({"tir.noalias": True})
+            batch = tirx.Var("batch", "int64")
+            handles = [T.arg(name, T.handle()) for name in ("x", "weight")]
+            if spec.bias:
+                handles.append(T.arg("bias", T.handle()))
+            handles.append(T.arg("out", T.handle()))
+            x = T.match_buffer(handles[0], (batch, H, W, C), "bfloat16")
+            weight = T.match_buffer(handles[1], (N, K), "bfloat16")
+            bias = T.match_buffer(handles[2], (N,), "bfloat16") if spec.bias else None
+            M = batch * (OH * OW)
+            out = T.match_buffer(handles[-1], (M, N), "bfloat16")
+            x_words = T.decl_buffer((batch * H * W * C,), "uint16", data=x.data)
+
+            def fill_block(a_block, block, steps):
+                _gather_patches(T, tirx, spec, x_words, a_block, M, block)
+
+            def finish(row, col, value):
+                if spec.bias:
+                    value = value + bias[col].astype("float32")
+                value = activate(spec.activation, value, "float32", "cpu")
+                T.buffer_store(out, value.astype("bfloat16"), [row, col])
+
+            cpu_amx.tile_gemm(T, tirx, M, N, i64(K), weight, True, None, finish, fill_block)
+    return ib.get()
+
+
+def _gather_patches(T, tirx, spec: Conv2dSpec, x_words, a_block, M, block):
+    """One block of A's tiles from the NHWC input: row p = (n, oh, ow) of the 32 in
+    ``block``, step t = (tap, 32 channels)."""
+
+    def i64(v):
+        return tirx.const(v, "int64")
+
+    C, H, W, S = spec.c, spec.h, spec.w, spec.s
+    (sh, sw), (ph, pw), (dh, dw) = spec.stride, spec.padding, spec.dilation
+    OH, OW = spec.out_h, spec.out_w
+    per_tap = C // cpu_amx.K_STEP
+    tile = cpu_amx.BLOCK * cpu_amx.K_STEP
+    with T.serial(i64(0), i64(cpu_amx.BLOCK)) as r:
+        p = block * cpu_amx.BLOCK + r
+        n, q = p // (OH * OW), p % (OH * OW)
+        oh, ow = q // OW, q % OW
+        # Per filter tap its C channels are one contiguous run of the NHWC input.
+        with T.serial(i64(0), i64(spec.r * S)) as tap:
+            ih = oh * sh - ph + tap // S * dh
+            iw = ow * sw - pw + tap % S * dw
+            inside = tirx.all(p < M, ih >= 0, ih < H, iw >= 0, iw < W)
+            src = ((n * H + ih) * W + iw) * C
+            with T.serial(i64(0), i64(per_tap)) as part:
+                dst = (tap * per_tap + part) * tile + r * cpu_amx.K_STEP
+                with T.If(inside):
+                    with T.Then():
+                        with T.vectorized(i64(0), i64(cpu_amx.K_STEP)) as k:
+                            value = x_words[src + part * cpu_amx.K_STEP + k]
+                            T.buffer_store(a_block, value, [dst + k])
+                    with T.Else():
+                        with T.vectorized(i64(0), i64(cpu_amx.K_STEP)) as k:
+                            T.buffer_store(a_block, tirx.const(0, "uint16"), [dst + k])
