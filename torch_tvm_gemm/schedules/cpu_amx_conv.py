@@ -66,7 +66,7 @@ def _amx_conv_func(spec: Conv2dSpec):
             out = T.match_buffer(handles[-1], (M, N), "bfloat16")
             x_words = T.decl_buffer((batch * H * W * C,), "uint16", data=x.data)
 
-            def fill_block(a_block, block, steps):
+            def fill_block(a_block, block):
                 _gather_patches(T, tirx, spec, x_words, a_block, M, block)
 
             def finish(row, col, value):
@@ -75,7 +75,7 @@ def _amx_conv_func(spec: Conv2dSpec):
                 value = activate(spec.activation, value, "float32", "cpu")
                 T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
-            cpu_amx.tile_gemm(T, tirx, M, N, i64(K), weight, True, None, finish, fill_block)
+            cpu_amx.tile_gemm(T, tirx, M, N, i64(K), weight, True, fill_block, finish)
     return ib.get()
 
 
