@@ -111,8 +111,8 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, ou
     """A 1x1 conv as one GEMM per image, ``out[n] = act(W @ x[n] + bias[:, None])`` over
     the flattened pixels (``schedules/cpu_conv2d.pointwise_as_gemm`` says when and why)."""
     n, c = x.shape[:2]
-    return _gemm_per_image(weight.reshape(weight.shape[0], c), x.contiguous().view(n, c, -1),
-                           bias, act, out)  # fmt: skip
+    pixels = x.contiguous().view(n, c, -1)
+    return _gemm_per_image(weight.reshape(weight.shape[0], c), pixels, bias, act, out)
 
 
 def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
