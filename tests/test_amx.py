@@ -199,3 +199,27 @@ def test_nhwc_conv_needs_whole_channel_steps():
     assert not cpu_amx_conv.applies(Conv2dSpec("bfloat16", 3, 64, 7, 7, 224, 224), amx)
     assert not cpu_amx_conv.applies(Conv2dSpec("float32", 64, 64, 3, 3, 56, 56), amx)
     assert not cpu_amx_conv.applies(Conv2dSpec("bfloat16", 64, 64, 3, 3, 9, 9, groups=2), amx)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "r, stride, padding, dilation",
+    [(3, 1, 1, 1), (3, 1, 2, 2), (5, 1, 2, 1), (1, 1, 1, 1), (3, 2, 1, 1)],
+)
+@pytest.mark.parametrize("width", [101, 27], ids=["row-blocks", "two-rows-a-block"])
+def test_nhwc_conv_direct_tile_loads(r, stride, padding, dilation, width):
+    """A's tiles loaded straight from the zero-bordered NHWC input at the stride of a filter
+    tap: wide output rows in blocks of 32 pixels (the last partly past the row's end), rows
+    of 16 pixels or fewer two a block (an odd last row paired with a dropped one)."""
+    from torch_tvm_gemm import ops
+    from torch_tvm_gemm.schedules.cpu_amx_conv import input_padding
+
+    if width == 27 and stride == 1:
+        width = 14  # 12-16 output columns: a tile per row
+    x, w = randn(2, 32, 7, width, dtype=BF16), randn(48, 32, r, r, dtype=BF16)
+    b = randn(48, dtype=BF16)
+    geometry = ((stride,) * 2, (padding,) * 2, (dilation,) * 2, 1)
+    assert input_padding(ops.conv2d_spec(x, w, b, *geometry, True)) is not None
+    y = torch.ops.tvm_gemm.conv2d_bias_relu(x, w, b, *geometry, True)
+    expected = F.relu(F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation))
+    assert_close(y, expected, 32 * r * r)

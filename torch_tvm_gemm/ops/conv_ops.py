@@ -16,6 +16,7 @@ from ..kernels.conv2d import Conv2dSpec, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
+from ..schedules.cpu_amx_conv import input_padding
 from ..schedules.cpu_conv2d import nhwc_on_tiles, pointwise_as_gemm
 from .checks import (
     CONV,
@@ -117,11 +118,17 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, ou
 
 def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
     """The bf16 AMX implicit GEMM (``schedules/cpu_amx_conv.py``): an NHWC copy of x (none
-    for a channels_last x), the weight as (K, R*S*C), the NHWC result copied into ``out``."""
+    for a channels_last x that needs no zero border), the weight as (K, R*S*C), the NHWC
+    result copied into ``out``."""
     kernel = get_kernel(spec)
     sync_threads()
     n, k = x.shape[0], weight.shape[0]
-    x_nhwc = x.permute(0, 2, 3, 1).contiguous()
+    x_nhwc = x.permute(0, 2, 3, 1)
+    padding = input_padding(spec)  # read by tile loads in place: zero borders around it
+    if padding is not None:
+        top, bottom, left, right = padding
+        x_nhwc = torch.nn.functional.pad(x_nhwc, (0, 0, left, right, top, bottom))
+    x_nhwc = x_nhwc.contiguous()
     w_ohwi = weight.permute(0, 2, 3, 1).reshape(k, -1).contiguous()
     y = torch.empty((n * spec.out_h * spec.out_w, k), dtype=x.dtype, device=x.device)
     args = [aligned(x_nhwc), aligned(w_ohwi)] + (

@@ -103,18 +103,32 @@ def _amx_gemm_func(spec: GemmSpec):
                 value = apply_activation(value, spec.activation, "float32", "cpu")
                 T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
-            tile_gemm(T, tirx, M, N, K, B, nk, fill_block, finish, a_words)
+            def direct(block):  # whole blocks of a K of whole steps: A's rows in place
+                def in_place(step, half):
+                    at = (block * BLOCK + half * TILE_ROWS) * K + step * K_STEP
+                    return tirx.address_of(a_words[at]), K * 2
+
+                return tirx.all(block < M // BLOCK, K % K_STEP == 0), in_place
+
+            tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct)
     return ib.get()
 
 
-def tile_gemm(T, tirx, M, N, K, B, nk: bool, fill_block, finish, a_words=None) -> None:
+def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=None, blocks=None,
+              row_of=None) -> None:  # fmt: skip
     """The body of a tile GEMM inside an IR builder's prim_func. B is the (N, K) weight
     (``nk``) or a (K, N) matrix; ``finish(row, col, value)`` stores one fp32 sum of the real
-    (M, N) outputs; ``fill_block(a_block, block)`` writes the tiles of A's 32-row ``block``
-    (``[step][32 rows][32]``, zero past M and K) into a task's buffer right before they are
-    used. Given ``a_words`` (A as (M, K) 16-bit words), whole blocks of a K that is whole
-    steps are read in place instead (16 rows at A's row stride), only the last partial block
-    copied. (``schedules/cpu_amx_conv.py`` uses it with a gathered A.)"""
+    (M, N) outputs. A comes in blocks of 32 rows, each read one of two ways:
+
+    - ``direct(block)`` gives ``(condition, a_tile)``: where the condition holds, the tiles
+      are loaded from memory as they are, ``a_tile(step, half)`` their address and row
+      stride (A's rows 0-15 or 16-31 at a K step);
+    - else ``fill_block(a_block, block)`` writes the block's tiles (``[step][32 rows][32]``,
+      zero past M and K) into the task's buffer right before they are used.
+
+    ``blocks`` (default: M / 32 rounded up) and ``row_of(block, r)`` (default: the output
+    row ``block * 32 + r``, real below M) map blocks to output rows: the conv's blocks are
+    pieces of image rows. (``cpu_amx_conv.py`` uses it too.)"""
 
     def i64(v):
         return tirx.const(v, "int64")
@@ -127,7 +141,10 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, fill_block, finish, a_words=None) -
 
     panels = -(-N // BLOCK)  # the last one partial where N % 32 != 0
     steps = (K + K_STEP - 1) // K_STEP  # K steps of 32, K zero-padded
-    blocks = (M + BLOCK - 1) // BLOCK  # 32-row blocks of A, M zero-padded
+    if blocks is None:
+        blocks = (M + BLOCK - 1) // BLOCK  # 32-row blocks of A, M zero-padded
+    if row_of is None:
+        row_of = lambda block, r: (block * BLOCK + r, block * BLOCK + r < M)  # noqa: E731
     group = panels_per_task(panels)
     panel_words = steps * TILE_ROWS * BLOCK
     with T.parallel(i64(0), i64(panels // group)) as task:
@@ -163,22 +180,20 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, fill_block, finish, a_words=None) -
             products(copied)
 
         with T.serial(i64(0), blocks) as block:
-            if a_words is None:
+            condition, a_tile = direct(block) if direct is not None else (False, None)
+            if condition is True:
+                products(a_tile)
+            elif condition is False:
                 copy_then_products(block)
             else:
-
-                def in_place(step, half, block=block):
-                    at = (block * BLOCK + half * TILE_ROWS) * K + step * K_STEP
-                    return tirx.address_of(a_words[at]), K * 2
-
-                with T.If(tirx.all(block < M // BLOCK, K % K_STEP == 0)):
+                with T.If(condition):
                     with T.Then():
-                        products(in_place)
+                        products(a_tile)
                     with T.Else():
                         copy_then_products(block)
             for g in range(group):
-                _epilogue(T, tirx, N, c_acc, g * BLOCK * BLOCK, M, block, task * group + g,
-                          finish)  # fmt: skip
+                _epilogue(T, tirx, N, c_acc, g * BLOCK * BLOCK, block, task * group + g,
+                          row_of, finish)  # fmt: skip
         tile_op("tilerelease")
 
 
@@ -366,7 +381,7 @@ def _transpose16(tirx, rows):
     return rows
 
 
-def _epilogue(T, tirx, N, c_acc, c_base, M, block, panel, finish):
+def _epilogue(T, tirx, N, c_acc, c_base, block, panel, row_of, finish):
     """The block's real outputs through ``finish``: a whole panel's rows as vectors of 32, a
     partial last panel's (N % 32 != 0) element by element."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
@@ -379,8 +394,8 @@ def _epilogue(T, tirx, N, c_acc, c_base, M, block, panel, finish):
             store(r, row, j)
 
     with T.serial(i64(0), i64(BLOCK)) as r:
-        row = block * BLOCK + r
-        with T.If(row < M):
+        row, real = row_of(block, r)
+        with T.If(real):
             with T.Then():
                 if N % BLOCK == 0:
                     store_row(r, row)
