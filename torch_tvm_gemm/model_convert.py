@@ -35,6 +35,7 @@ from torch import Tensor, fx, nn
 
 from .fold import TVMConv2dBN
 from .fusion import TVMConv2dBiasReLU, fuse_convs_in_graph
+from .inplace_adds import inplace_residual_adds
 from .model_precompile import PrecompileSummary, precompile, split_example_inputs
 from .nn import (
     TVMConv1D,
@@ -317,6 +318,7 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
     for target, what in local.items():
         records[prefix + target] = what
     if fused:
+        inplace_residual_adds(gm)  # (its graph runs only where something was fused)
         module.__dict__["_tvm_traced"] = _Traced(gm, signature, concrete, n_tensors)
         module.forward = _RegionForward(module)
         summary.regions.append(fqn or "<top>")
