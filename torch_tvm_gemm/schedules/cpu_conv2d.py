@@ -33,7 +33,7 @@ from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
-SCHEDULE_VERSION = 6  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 7  # bump when a schedule changes the binary: it is part of the cache key
 
 
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]
