@@ -112,6 +112,17 @@ def test_vmap_over_converted_block_matches_eager():
     assert_close(got, expected, k=200)
 
 
+def test_torch_compile_fullgraph_over_in_place_adds():
+    model = nn.Sequential(Bottleneck(), Bottleneck(8, 8)).eval()
+    x = randn(2, 4, 6, 5)
+    with torch.no_grad():
+        expected = model(x)
+        tg.convert(model)
+        got = torch.compile(model, fullgraph=True)(x)
+    assert _adds(model, add_into) == 2
+    assert_close(got, expected, k=200)
+
+
 def test_a_fresh_output_read_twice_is_not_written():
     class TwoUsers(nn.Module):
         def __init__(self):

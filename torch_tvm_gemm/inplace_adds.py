@@ -9,7 +9,8 @@ ReLU right after such a sum then runs in place too.
 
 Each rewritten add checks at run time that writing in place gives the same result as the
 plain add (same shape and dtype as the sum, same device, no gradient wanted, no
-``torch.func`` transform active) and falls back to the plain add otherwise.
+``torch.func`` transform active, not being compiled) and falls back to the plain add
+otherwise.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def _writable(fresh: Tensor, other) -> bool:
 
 
 def add_into(fresh: Tensor, other: Tensor, relu: bool = False) -> Tensor:
-    """``fresh + other`` (then ``relu``), written into ``fresh`` when that is the same."""
-    if _writable(fresh, other):
+    """``fresh + other`` (then ``relu``), written into ``fresh`` when that is the same.
+    Under ``torch.compile`` the plain ops (the compiler fuses them itself)."""
+    if not torch.compiler.is_compiling() and _writable(fresh, other):
         out = fresh.add_(other)
         return out.relu_() if relu else out
     out = fresh + other
