@@ -8,7 +8,8 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
    conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU) become one
    ``tvm_gemm.conv2d_bias_relu`` call and a linear
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
-   ``tvm_gemm.linear`` call with that activation.
+   ``tvm_gemm.linear`` call with that activation. A residual add of a TVM layer's output
+   that nothing else reads goes into that output, in place (``inplace_adds``).
 2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
    ``Conv1D``) is swapped for its TVM module in place, parameters shared.
 
@@ -35,6 +36,7 @@ from torch import Tensor, fx, nn
 
 from .fold import TVMConv2dBN
 from .fusion import TVMConv2dBiasReLU, fuse_convs_in_graph
+from .inplace_adds import inplace_residual_adds
 from .model_precompile import PrecompileSummary, precompile, split_example_inputs
 from .nn import (
     TVMConv1D,
@@ -317,6 +319,7 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
     for target, what in local.items():
         records[prefix + target] = what
     if fused:
+        inplace_residual_adds(gm)  # (its graph runs only where something was fused)
         module.__dict__["_tvm_traced"] = _Traced(gm, signature, concrete, n_tensors)
         module.forward = _RegionForward(module)
         summary.regions.append(fqn or "<top>")

@@ -18,11 +18,19 @@ def relu(x, dtype: str):
 
 
 def relu6(x, dtype: str):
-    """``F.relu6`` (``hardtanh(x, 0, 6)``): NaN stays NaN, -0.0 stays -0.0, as in torch."""
+    """``F.relu6`` (``hardtanh(x, 0, 6)``): NaN stays NaN, -0.0 stays -0.0, as in torch.
+
+    Written as relu, then the clip at 6 of relu's result: each select compares the value it
+    passes on, which LLVM turns into one vector max / min (x86 ``maxps(0, x)`` returns x for
+    a NaN x, and for -0.0). ``x < 0 ? 0 : (x > 6 ? 6 : x)``, the same function, compiled to
+    compares and blends that LLVM did not vectorize in the conv's unrolled write-back: a 1x1
+    conv 128 -> 512 channels at 28x28 took 1.79 ms against 0.87 ms with relu (now 0.91 ms).
+    """
     from tvm import tirx
 
     zero, six = tirx.const(0, dtype), tirx.const(6, dtype)
-    return tirx.Select(x < zero, zero, tirx.Select(x > six, six, x))
+    y = tirx.Select(x < zero, zero, x)
+    return tirx.Select(y > six, six, y)
 
 
 def hardswish(x, dtype: str):

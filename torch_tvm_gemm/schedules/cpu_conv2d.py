@@ -34,7 +34,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx_conv
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
-SCHEDULE_VERSION = 6  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 7  # bump when a schedule changes the binary: it is part of the cache key
 
 
 def nhwc_on_tiles(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:

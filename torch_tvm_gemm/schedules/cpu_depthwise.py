@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..kernels.conv2d import Conv2dSpec
 from ..kernels.conv2d_depthwise import depthwise_compute, tap_phases
 
-SCHEDULE_VERSION = 5  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 6  # bump when the schedule changes the binary: it is part of the cache key
 
 ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
 LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split

@@ -1,0 +1,65 @@
+"""The conv op checks a call's geometry once (``conv_ops._checked_geometry``): later calls
+with that geometry skip the checks, every other call is still checked, bad input never
+stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+
+from torch_tvm_gemm.ops import conv_ops
+
+op = torch.ops.tvm_gemm.conv2d_bias_relu
+
+
+def reference(x, w, b, activation):
+    y = F.conv2d(x, w, b, padding=1)
+    return {"relu": F.relu, "relu6": F.relu6, "none": lambda t: t}[activation](y)
+
+
+def test_one_check_per_geometry_and_results_per_call(monkeypatch):
+    calls = []
+    check = conv_ops.check_conv2d
+    monkeypatch.setattr(conv_ops, "check_conv2d", lambda *a: calls.append(1) or check(*a))
+    conv_ops._GEOMETRIES.clear()
+    w, b = randn(6, 4, 3, 3), randn(6)
+    for seed in range(3):  # same geometry, new values: one check, each result right
+        x = randn(2, 4, 7, 5, seed=seed)
+        assert_close(op(x, w, b, [1, 1], [1, 1]), reference(x, w, b, "relu"), k=36)
+    assert len(calls) == 1
+    x = randn(2, 4, 7, 5)
+    for activation in ("relu6", "none"):  # another activation: another geometry
+        got = op(x, w, b, [1, 1], [1, 1], activation=activation)
+        assert_close(got, reference(x, w, b, activation), k=36)
+    x9 = randn(2, 4, 9, 5)  # another shape
+    assert_close(op(x9, w, b, [1, 1], [1, 1]), reference(x9, w, b, "relu"), k=36)
+    assert_close(op(x, w, None, [1, 1], [1, 1]), reference(x, w, None, "relu"), k=36)
+    assert len(calls) == 5
+
+
+def test_bad_input_is_checked_at_every_call():
+    x, w, b = randn(2, 4, 7, 5), randn(6, 4, 3, 3), randn(6)
+    op(x, w, b, [1, 1], [1, 1])  # a good geometry first
+    for _ in range(2):  # never kept: the same bad call raises again
+        with pytest.raises(ValueError, match=r"tvm_gemm\.conv2d_bias_relu: .*'bias'"):
+            op(x, w, randn(5), [1, 1], [1, 1])
+        with pytest.raises(
+            ValueError, match=r"tvm_gemm\.conv2d_bias_relu: .*expects x to have 4 channels"
+        ):
+            op(randn(2, 5, 7, 5), w, b, [1, 1], [1, 1])
+        with pytest.raises(TypeError, match=r"argument 'bias' has dtype torch.float64"):
+            op(x, w, b.double(), [1, 1], [1, 1])
+        with pytest.raises(ValueError, match=r"argument 'activation'"):
+            op(x, w, b, [1, 1], [1, 1], activation="tanh")
+
+
+def test_the_kept_geometries_are_bounded(monkeypatch):
+    monkeypatch.setattr(conv_ops, "_MAX_GEOMETRIES", 2)
+    conv_ops._GEOMETRIES.clear()
+    w = randn(3, 2, 3, 3)
+    for h in range(4, 8):
+        x = randn(1, 2, h, 4)
+        assert_close(op(x, w, None, [1, 1], [1, 1]), reference(x, w, None, "relu"), k=18)
+    assert len(conv_ops._GEOMETRIES) == 2
