@@ -86,16 +86,16 @@ def _conv2d_impl(
         return _planned_conv2d(
             x, weight, bias, stride, padding, dilation, groups, relu, activation, shape
         )
-    shape, spec, pointwise = _checked_geometry(
+    shape, spec, route = _checked_geometry(
         x, weight, bias, stride, padding, dilation, groups, relu, activation
     )
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:  # (no input channels included: check_conv2d)
         return out
-    if pointwise:
+    if route == "gemm":
         return _pointwise_conv(x, weight, bias, spec.activation, out)
-    if nhwc_on_tiles(spec):
+    if route == "nhwc":
         return _nhwc_conv(x, weight, bias, spec, out)
     kernel = get_kernel(spec)
     sync_threads()
@@ -115,13 +115,14 @@ def _conv2d_impl(
 # one geometry: they are worked out once per geometry. Measured: ~20 us a call, where the
 # kernel of a small conv takes 1-100 us (MobileNetV2 at batch 1: 52 convs, ~20 ms in all).
 # Only geometries that passed the checks are kept; nothing here holds a tensor.
-_GEOMETRIES: dict[tuple, tuple[list[int], Conv2dSpec | None, bool]] = {}
+_GEOMETRIES: dict[tuple, tuple[list[int], Conv2dSpec | None, str]] = {}
 _MAX_GEOMETRIES = 4096
 
 
 def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, activation):
-    """(output shape, kernel spec, whether it runs as GEMMs) of a valid CPU call; raises
-    the checks' errors for an invalid one."""
+    """(output shape, kernel spec, route) of a valid CPU call; raises the checks' errors for
+    an invalid one. The route: "gemm" (a GEMM per image), "nhwc" (the bf16 AMX implicit
+    GEMM over channels-last pixels) or "conv" (the conv kernel)."""
     try:
         key = (
             x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
@@ -136,9 +137,10 @@ def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, 
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
     conv_activation(relu, activation)
     if math.prod(shape) == 0:  # no kernel runs: nothing to choose
-        return shape, None, False
+        return shape, None, "conv"
     spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, None, activation)
-    found = (shape, spec, pointwise_as_gemm(spec))
+    route = "gemm" if pointwise_as_gemm(spec) else "nhwc" if nhwc_on_tiles(spec) else "conv"
+    found = (shape, spec, route)
     if key is not None and len(_GEOMETRIES) < _MAX_GEOMETRIES:
         _GEOMETRIES[key] = found
     return found
