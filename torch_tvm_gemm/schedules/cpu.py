@@ -31,7 +31,7 @@ from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
 from . import cpu_amx
 
-SCHEDULE_VERSION = 10  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 11  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -154,6 +154,7 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     jio, jii = sch.split(ji, [None, vec])
     sch.reorder(jo, io, k, ii, jio, jii)
     sch.reverse_compute_at(out, io)
+    _store_tile_from_registers(sch, spec, out, vec)
     sch.set_scope(acc, 0, "local")
     sch.unroll(ii)
     sch.unroll(jio)
@@ -215,6 +216,29 @@ def _panels_per_task(spec: GemmSpec, nr: int) -> int:
 
 
 PANELS_PER_TASK = 2
+
+
+def _store_tile_from_registers(sch, spec: GemmSpec, out, vec: int) -> None:
+    """The "out" stage of one MR x NR register tile, unrolled by rows and vectorized by VEC:
+    every access then has a constant offset, so LLVM stores the accumulator registers
+    straight to the output. Left as a loop nest, the tile went through a workspace buffer
+    on every tile (zeroed by a memset, stored, copied back in 256-bit pieces): at attention's
+    K = 64 and 128 the round trip cost 4-9% of the kernel, at K >= 768 within noise. (bf16
+    and fp16 kernels keep the loop nest: not measured with it.)"""
+    rows, cols = sch.get_loops(out)[-2:]
+    extents = [_const_extent(sch, loop) for loop in (rows, cols)]
+    # A tile narrower than N's own width (N < NR) or M < MR: bounds TVM leaves symbolic.
+    if spec.dtype != spec.acc_dtype or None in extents or extents[1] % vec:
+        return
+    cols_o, cols_i = sch.split(cols, [None, vec])
+    sch.unroll(rows)
+    sch.unroll(cols_o)
+    sch.vectorize(cols_i)
+
+
+def _const_extent(sch, loop) -> int | None:
+    extent = sch.get(loop).extent
+    return int(extent) if hasattr(extent, "value") else None
 
 
 def _transpose_in_tiles(sch, b_pad, vec: int, rows_first: bool = False) -> None:
@@ -334,6 +358,7 @@ def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) ->
     sch.reorder(b, jo, io, k, ii, jio, jii)
     task = sch.fuse(b, jo)
     sch.reverse_compute_at(out, io)
+    _store_tile_from_registers(sch, spec, out, vec)
     sch.set_scope(acc, 0, "local")
     sch.unroll(ii)
     sch.unroll(jio)
