@@ -3,13 +3,15 @@
 The conv kernels of ``cpu_conv2d.py`` compute bf16 in fp32 (TVM 0.27 legalises bf16 vector
 math to fp32), at a fraction of oneDNN's AMX convs. This kernel is the tile GEMM of
 ``cpu_amx.py`` with another A: one row per output pixel, its columns the (R, S, C) patch
-under the filter, gathered straight from an NHWC input into A's 1 KiB tiles (a 32-value step
-is 32 channels of one filter tap, contiguous in NHWC, hence C % 32 == 0); zero where the
-tap falls into the padding. B is the weight as a (K, R*S*C) matrix (OIHW permuted to OHWI).
-The result is the NHWC output, (batch * OH * OW, K), with bias and activation applied.
+under the filter (a 32-value step is 32 channels of one filter tap, contiguous in NHWC,
+hence C % 32 == 0), zero where the tap falls into the padding. A's tiles are loaded from the
+NHWC input as they are (see ``input_padding``) or, for narrow outputs, gathered into a
+task's buffer. B is the weight as a (K, R*S*C) matrix (OIHW permuted to OHWI). The result
+is the NHWC output, (batch * OH * OW, K), with bias and activation applied.
 
-``ops/conv_ops.py`` hands it an NHWC copy of the input and the permuted weight, and copies
-the output back to NCHW (two passes over activations, small beside the conv's math).
+``ops/conv_ops.py`` hands it an NHWC copy of the input (zero-bordered for direct loads) and
+the permuted weight, and copies the output back to NCHW (passes over the activations, small
+beside the conv's math).
 """
 
 from __future__ import annotations
