@@ -44,7 +44,7 @@ def _extension_kwargs() -> dict:
     ffi_lib_dir = os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())
     ext = CppExtension(
         "torch_tvm_gemm._C",
-        ["csrc/tvm_gemm_ops.cpp", "csrc/parallel_launch.cpp"],
+        ["csrc/tvm_gemm_ops.cpp", "csrc/parallel_launch.cpp", "csrc/python_entry.cpp"],
         include_dirs=tvm_ffi.libinfo.include_paths(),
         library_dirs=[ffi_lib_dir],
         libraries=["tvm_ffi"],

@@ -588,7 +588,8 @@ int64_t table_size() {
 }  // namespace tvm_gemm
 
 namespace tvm_gemm {
-int64_t parallel_launch_address();  // parallel_launch.cpp
+int64_t parallel_launch_address();             // parallel_launch.cpp
+void add_python_entries(py::module_& m);  // python_entry.cpp
 }  // namespace tvm_gemm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -608,4 +609,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("b_layout"), "The variant of the kernel-table key of a CPU (m, n, k) product.");
   m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,
         "Address of the TVMBackendParallelLaunch replacement that runs on torch's OpenMP pool.");
+  tvm_gemm::add_python_entries(m);
 }

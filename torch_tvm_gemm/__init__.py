@@ -26,6 +26,7 @@ from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
 from .model_convert import ConversionSummary, convert
 from .model_precompile import PrecompileSummary, precompile
 from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear
+from .ops.entry import linear, matmul
 from .runtime.build_worker import KernelBuildError
 from .runtime.precompile import precompile_specs
 
@@ -44,29 +45,6 @@ __all__ += [
     "precompile_specs",
 ]
 __version__ = "0.1.0"
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.matmul(a, b)`` computed by a TVM kernel.
-
-    ``a`` is 2-D ``(M, K)`` or 3-D ``(B, M, K)``; ``b`` is ``(K, N)`` or ``(B, K, N)``; batch
-    dims broadcast as in torch (a batch of 1 against B). Dtypes float32, float64, bfloat16,
-    float16 (the narrow ones accumulate in float32); both tensors of one dtype and device.
-    Differentiable; works under ``torch.compile``.
-    """
-    return torch.ops.tvm_gemm.matmul(a, b)
-
-
-def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "none"
-) -> Tensor:
-    """``act(x @ weight.T + bias)`` in one TVM kernel, like ``F.linear`` plus an activation.
-
-    ``x`` is ``(..., K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)`` or None, ``activation`` one of
-    ``"none"``, ``"relu"``, ``"gelu"`` (exact erf form, as ``F.gelu``). The activation is
-    applied once to the final sum. Differentiable; works under ``torch.compile``.
-    """
-    return torch.ops.tvm_gemm.linear(x, weight, bias, activation)
 
 
 def conv2d_bias_relu(

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .kernels.gemm import ACTIVATIONS
+from .ops import entry
 
 # transformers' activation classes (matched by name: transformers is optional), with the
 # activation each one computes. FastGELU and NewGELU write the tanh form out by hand.
@@ -97,7 +98,7 @@ class TVMLinear(nn.Linear):
         return nn.Sequential(linear, activation_module(self.activation))
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.tvm_gemm.linear(x, self.weight, self.bias, self.activation)
+        return entry.linear(x, self.weight, self.bias, self.activation)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", activation={self.activation}"
@@ -133,7 +134,7 @@ class TVMConv1D(nn.Module):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.tvm_gemm.linear(x, self.weight.t(), self.bias, self.activation)
+        return entry.linear(x, self.weight.t(), self.bias, self.activation)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, activation={self.activation}"

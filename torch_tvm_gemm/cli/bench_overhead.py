@@ -1,9 +1,11 @@
 """``bench-overhead``: per-call time of the ops against PyTorch, C++ and Python impl paths.
 
-Each case times blocks of back-to-back calls of the PyTorch reference, the op on the C++ path
-and the op on the Python path, interleaved block by block in one process (so that machine
-load hits all three alike), and reports the median per-call time over the blocks and the
-ratios to PyTorch. The targets of the C++ path are printed next to its ratios.
+Each case times blocks of back-to-back calls of the PyTorch reference and of the op three ways:
+``torch.ops.tvm_gemm.*`` on the C++ impls ("torch.ops"), the package's own function
+(``torch_tvm_gemm.matmul`` / ``linear``, which enters the same op from C++: "package") and
+``torch.ops`` on the Python impls ("python"), interleaved block by block in one process (so that
+machine load hits all alike). It reports the median per-call time over the blocks and the
+ratios to PyTorch; the targets are printed next to the package function's ratios.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Case:
     name: str
     op: str  # "matmul" or "linear"
     shapes: tuple[tuple[int, ...], ...]  # the tensor arguments' shapes
-    target: float | None  # C++ path / torch ratio to stay under; None: no regression
+    target: float | None  # package function / torch ratio to stay under; None: no regression
 
 
 CASES = [
@@ -96,12 +98,13 @@ def run(args) -> int:
     import torch
     import torch.nn.functional as F
 
+    import torch_tvm_gemm
     from torch_tvm_gemm import _ext, ops
 
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    paths = ["cpp"] if _ext.load() is not None else []
+    paths = ["cpp", "package"] if _ext.load() is not None else []
     if not args.no_python:
         paths.append("python")
     if "cpp" not in paths:
@@ -109,21 +112,25 @@ def run(args) -> int:
     start_path = ops.impl_path()
 
     def switch_impl(name: str) -> None:
-        if name in ("cpp", "python"):
-            ops.use_impl(name)
+        if name in ("cpp", "package", "python"):
+            ops.use_impl("python" if name == "python" else "cpp")
 
     def reference(case: Case, tensors):
         if case.op == "matmul":
             return lambda: torch.matmul(*tensors)
         return lambda: F.linear(*tensors)
 
-    def ours(case: Case, tensors):
+    def ours(case: Case, tensors, path: str):
+        if path == "package":
+            fn = getattr(torch_tvm_gemm, case.op)
+            return lambda: fn(*tensors)
         op = getattr(torch.ops.tvm_gemm, case.op)  # the packet, as users call it
         return lambda: op(*tensors)
 
     torch.manual_seed(0)
     rows = []
-    header = f"{'case':28s} {'torch us':>9s} {'cpp us':>8s} {'ratio':>6s} {'target':>7s}"
+    header = f"{'case':28s} {'torch us':>9s} {'torch.ops':>9s} {'ratio':>6s} {'package':>8s}"
+    header += f" {'ratio':>6s} {'target':>7s}"
     header += f" {'python us':>10s} {'ratio':>6s}" if "python" in paths else ""
     print(
         f"threads={torch.get_num_threads()}  repeats={args.repeats}  clock={args.clock}  "
@@ -135,8 +142,8 @@ def run(args) -> int:
             tensors = [torch.randn(*s) for s in case.shapes]
             fns = {"torch": reference(case, tensors)}
             for path in paths:
-                ops.use_impl(path)
-                fns[path] = ours(case, tensors)
+                switch_impl(path)
+                fns[path] = ours(case, tensors, path)
                 fns[path]()  # build or load the kernel outside the timing
             with torch.no_grad():
                 med, calls = _median_us(fns, args, clock, before=switch_impl)
@@ -146,8 +153,10 @@ def run(args) -> int:
                 "shapes": [list(s) for s in case.shapes],
                 "torch_us": med["torch"],
                 "cpp_us": med.get("cpp"),
+                "package_us": med.get("package"),
                 "python_us": med.get("python"),
                 "cpp_ratio": med["cpp"] / med["torch"] if "cpp" in med else None,
+                "package_ratio": med["package"] / med["torch"] if "package" in med else None,
                 "python_ratio": med["python"] / med["torch"] if "python" in med else None,
                 "target_ratio": case.target,
                 "calls_per_block": calls,
@@ -155,9 +164,10 @@ def run(args) -> int:
             rows.append(row)
             target = f"<={case.target}" if case.target else "-"
             cpp = (
-                f"{row['cpp_us']:8.2f} {row['cpp_ratio']:6.2f}"
+                f"{row['cpp_us']:9.2f} {row['cpp_ratio']:6.2f} "
+                f"{row['package_us']:8.2f} {row['package_ratio']:6.2f}"
                 if row["cpp_us"] is not None
-                else f"{'-':>8s} {'-':>6s}"
+                else f"{'-':>9s} {'-':>6s} {'-':>8s} {'-':>6s}"
             )
             line = f"{case.name:28s} {row['torch_us']:9.2f} {cpp} {target:>7s}"
             if row["python_us"] is not None:

@@ -37,6 +37,10 @@ def require(cond, exc: type[Exception], message: Callable[[], str]) -> None:
 
 
 def check_tensor(op: str, name: str, t: Tensor, ranks: tuple[int, ...]) -> None:
+    if not isinstance(t, Tensor):  # torch.ops hands a None given for a tensor over as is
+        raise TypeError(
+            f"tvm_gemm.{op}: argument '{name}' must be a tensor, got {type(t).__name__}"
+        )
     require(
         t.dtype in SUPPORTED_DTYPES,
         TypeError,
