@@ -72,6 +72,11 @@ struct Config {
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
   int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
+  // "swap" (float32 "nk", static K): M in [min_m, max_m], at most slack rows short of whole
+  // panels of panel rows, K <= max_k (schedules/cpu.py SWAP_* and swap_max_k); max_m 0: never.
+  struct {
+    int64_t min_m = 0, max_m = 0, panel = 1, slack = 0, max_k = 0;
+  } swap;
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
@@ -149,14 +154,19 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 4> kVariants{{"gemm", "gemv", "dot", "dot2"}};
+constexpr std::array<const char*, 5> kVariants{{"gemm", "gemv", "dot", "dot2", "swap"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
 // error if its variant differs (tests/test_csrc.py sweeps both rules against each other).
-int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk) {
+int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
   if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
+  const auto& swap = g_config.swap;
+  if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
+      (swap.panel - m % swap.panel) % swap.panel <= swap.slack && k <= swap.max_k) {
+    return 4;
+  }
   return m <= g_config.gemv_max_m && big_b ? 1 : 0;
 }
 
@@ -329,7 +339,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                       b_nk,
                       bias.has_value(),
                       act,
-                      gemm_variant(m, n, k, b_nk),
+                      gemm_variant(m, n, k, b_nk, dtype.scalar == at::kFloat, static_k),
                       /*batched=*/false,
                       a.device().type(),
                       c10::DeviceIndex(0)};
@@ -527,7 +537,8 @@ std::vector<std::string> dispatch_keys() { return {"CPU"}; }
 void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot_max_m,
                     const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
-                    int64_t dot2_max_m, bool autograd_fast_path) {
+                    int64_t dot2_max_m, const std::vector<int64_t>& swap,
+                    bool autograd_fast_path) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -537,6 +548,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.gemv_min_b_elements = gemv_min_b_elements;
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
+  TORCH_CHECK(swap.empty() || (swap.size() == 5 && swap[2] > 0),
+              "tvm_gemm: swap must be (min_m, max_m, panel, slack, max_k)");
+  if (!swap.empty()) config.swap = {swap[0], swap[1], swap[2], swap[3], swap[4]};
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -573,10 +587,11 @@ void clear_table() {
 
 // The variant name the table key of a CPU (m, n, k) product holds (for tests: it must agree
 // with schedules/cpu.py gemm_variant, which gemm_spec follows).
-std::string key_variant(int64_t m, int64_t n, int64_t k, const std::string& b_layout) {
+std::string key_variant(int64_t m, int64_t n, int64_t k, const std::string& b_layout,
+                        const std::string& dtype, bool static_k) {
   TORCH_CHECK(!g_config.activations.empty(), "tvm_gemm: register_impls() has not run yet");
   TORCH_CHECK(b_layout == "kn" || b_layout == "nk", "tvm_gemm: b_layout must be 'kn' or 'nk'");
-  return kVariants[gemm_variant(m, n, k, b_layout == "nk")];
+  return kVariants[gemm_variant(m, n, k, b_layout == "nk", dtype == "float32", static_k)];
 }
 
 int64_t table_size() {
@@ -597,7 +612,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_impls", &tvm_gemm::register_impls, py::arg("gemv_max_m"),
         py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
-        py::arg("autograd_fast_path") = true,
+        py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");
@@ -606,7 +621,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clear_table", &tvm_gemm::clear_table, "Forget every cached kernel handle.");
   m.def("table_size", &tvm_gemm::table_size, "Number of cached kernel handles.");
   m.def("key_variant", &tvm_gemm::key_variant, py::arg("m"), py::arg("n"), py::arg("k"),
-        py::arg("b_layout"), "The variant of the kernel-table key of a CPU (m, n, k) product.");
+        py::arg("b_layout"), py::arg("dtype") = "float32", py::arg("static_k") = true,
+        "The variant of the kernel-table key of a CPU (m, n, k) product.");
   m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,
         "Address of the TVMBackendParallelLaunch replacement that runs on torch's OpenMP pool.");
   tvm_gemm::add_python_entries(m);

@@ -271,16 +271,20 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     ms = sorted({1, 2, 3, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1, cpu.DOT2_MAX_M, cpu.DOT2_MAX_M + 1})
     ms += [cpu.DOT_MAX_M]
     ms += [cpu.DOT_MAX_M + 1, 64, 1000]
+    ms += [cpu.SWAP_MIN_M - 1, cpu.SWAP_MIN_M, 63, 65, cpu.SWAP_MAX_M, cpu.SWAP_MAX_M + 1, 120]
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
+    nks += [(64, cpu.swap_max_k()), (64, cpu.swap_max_k() + 1)]
+    kinds = [("float32", True), ("float32", False), ("float64", True), ("bfloat16", True)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
     try:
         disagree = [
-            (m, n, k, layout, EXT.key_variant(m, n, k, layout), spec.variant)
+            (m, n, k, layout, dtype, static_k, key, spec.variant)
             for m in ms
             for n, k in nks
             for layout in ("kn", "nk")
-            if EXT.key_variant(m, n, k, layout)
-            != (spec := ops.gemm_spec("float32", m, n, k, layout)).variant
+            for dtype, static_k in kinds
+            if (key := EXT.key_variant(m, n, k, layout, dtype, static_k))
+            != (spec := ops.gemm_spec(dtype, m, n, k, layout, static_k=static_k)).variant
         ]
     finally:
         ops.use_impl(previous)
@@ -289,6 +293,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
         "gemv",
         "dot2",
         "dot",
+        "swap",
         "gemm",
     }  # the sweep reaches every variant
 

@@ -93,6 +93,41 @@ def test_linear_two_rows(dtype, act):
     assert gemm_variant(3, 100, 77, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
 
 
+@pytest.mark.parametrize("m", [56, 61, 64])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_linear_swap_variant(m, act):
+    # M at or just under one 64-row panel takes the "swap" kernel (x packed, the weight
+    # read in place); N off its 48-row tasks, K off the vectors; a NaN stays in its row.
+    from torch_tvm_gemm.runtime import table
+
+    x, w, b = randn(m, 77), randn(100, 77), randn(100)
+    x[m - 1, 5] = float("nan")
+    table.clear_table()
+    out = tg.linear(x, w, b, act)
+    assert [s.variant for s in table._table] == ["swap"]
+    assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
+    want = reference(x, w, b, act).float()
+    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, 77))
+
+
+def test_swap_variant_rule():
+    assert [gemm_variant(m, 768, 768, "nk") for m in (48, 55, 56, 60, 64, 65, 120, 128)] == [
+        "gemm",
+        "gemm",
+        "swap",
+        "swap",
+        "swap",
+        "gemm",
+        "gemm",
+        "gemm",
+    ]
+    assert gemm_variant(64, 768, 768, "kn") == "gemm"  # a (K, N) B: no weight rows to read
+    assert gemm_variant(64, 768, 768, "nk", dtype="float64") == "gemm"
+    assert gemm_variant(64, 768, 768, "nk", dtype="bfloat16") == "gemm"  # AMX tiles
+    assert gemm_variant(64, 768, 768, "nk", static_k=False) == "gemm"
+    assert gemm_variant(64, 768, 11008, "nk") == "gemm"  # a panel of x past half the L2
+
+
 def test_linear_non_contiguous():
     x = randn(9, 80)[:, ::2]
     w = randn(40, 19).t()  # (19, 40), not contiguous

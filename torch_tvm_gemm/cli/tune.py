@@ -125,8 +125,8 @@ def run(args) -> int:
     deadline = time.monotonic() + args.time
     kept = 0
     for name, spec, m, k in jobs:
-        if spec.variant in ("gemv", "dot", "dot2"):
-            print(f"{name}: small M ({m}): the {spec.variant} kernel has no tuning space")
+        if spec.variant in ("gemv", "dot", "dot2", "swap"):
+            print(f"{name}: M = {m}: the {spec.variant} kernel has no tuning space")
             continue
         left = deadline - time.monotonic()
         if left <= 0:

@@ -68,7 +68,7 @@ def gemm_spec(
     (``schedules/cpu.py`` ``gemm_variant``); a batched kernel has one variant.
     """
     cuda = device == "cuda"
-    variant = "gemm" if batched else gemm_variant(m, n, k, b_layout, device)
+    variant = "gemm" if batched else gemm_variant(m, n, k, b_layout, device, dtype, static_k)
     return _spec(
         dtype,
         n,

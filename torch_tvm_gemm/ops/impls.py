@@ -21,6 +21,7 @@ import tvm_ffi
 from .. import _ext
 from ..kernels.gemm import ACTIVATIONS
 from ..runtime.table import get_kernel, on_clear_table
+from ..schedules import cpu as cpu_schedules
 from ..schedules.cpu import DOT2_MAX_M, DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
 from . import plan
 from .checks import DTYPE_NAMES, SUPPORTED_DTYPES
@@ -122,6 +123,13 @@ def use_impl(path: str) -> str:
             [DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
             KERNEL_ALIGNMENT["cpu"],
             DOT2_MAX_M,
+            [
+                cpu_schedules.SWAP_MIN_M,
+                cpu_schedules.SWAP_MAX_M,
+                cpu_schedules.SWAP_PANEL,
+                cpu_schedules.SWAP_SLACK,
+                cpu_schedules.swap_max_k(),
+            ],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

@@ -18,6 +18,16 @@ summed once at the end. At these M, packing the weight on every call costs as mu
 (docs/inference-shapes.md has the measurements). "dot2" is the same kernel with a 2-row tile,
 for M = 2.
 
+"swap" (layout "nk", float32, static K, M from 56 to 64 rows): the product as
+(W @ x^T)^T. Here the weight takes A's place: its rows are read in place by broadcasts, six at
+a time, and the activations are packed instead, into panels of 64 rows ``[M/64, K, 64]``,
+which the vector loads stream. The packed kernel packs the weight, N x K values, on every
+call; this one packs x, M x K: at M = 64, N = K = 4096, 1/64 of it. Its output tiles are 6
+columns by 64 rows of the result; M is padded to whole panels, so an M far from a multiple
+of 64 wastes rows (M = 96 computes 128: 0.82-0.91x torch, where the packed kernel is at 1.0x),
+and from two panels on the packed kernel is as fast or faster (M = 120, 128: 0.85-1.05x
+torch against 0.95-1.10x).
+
 A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
 (``kernels/gemm_kblocked.py``).
 
@@ -48,14 +58,45 @@ DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 re
 # M=4 and 8 the 4-row tile is ahead, 1.18-1.21x against 1.07-1.08x).
 DOT2_MAX_M = 2
 DOT2_TILE = (2, 8)
+# The "swap" variant: M in [SWAP_MIN_M, SWAP_MAX_M], at most SWAP_SLACK rows short of whole
+# panels of SWAP_PANEL rows, K at most swap_max_k (a panel of x, K x 64 floats, in half the L2,
+# as for the packed kernel's panel of B). Measured through the op (bench-inference, 2 threads,
+# quiet Intel Xeon, two runs each, torch = 1), packed kernel -> swap: M=64 1.00-1.03 ->
+# 1.27-1.37x at 4096x4096, 1.06-1.15 -> 1.45-1.52x at N=11008 K=4096, 1.10-1.22 -> 1.16-1.31x
+# at 768x768; M=56 0.96-1.04 -> 1.17-1.24x at 4096x4096; M=120 and 128 (two panels)
+# 0.95-1.04 -> 0.85-0.97x at 4096x4096, so one panel only. M=48 (16 rows short) was mixed.
+SWAP_PANEL = 64
+SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 64, 8
+SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 
 
-def gemm_variant(m: int, n: int, k: int, b_layout: str = "kn", device: str = "cpu") -> str:
-    """The schedule variant for an (M, N, K) product: "gemv", "dot2", "dot" or "gemm"."""
+def swap_max_k(cpu: CpuInfo | None = None) -> int:
+    """The longest K of the "swap" variant on this CPU (ops/impls.py hands it to csrc/ too)."""
+    return (cpu or host_cpu()).l2_bytes // 2 // (SWAP_PANEL * 4)
+
+
+def gemm_variant(
+    m: int,
+    n: int,
+    k: int,
+    b_layout: str = "kn",
+    device: str = "cpu",
+    dtype: str = "float32",
+    static_k: bool = True,
+) -> str:
+    """The schedule variant for an (M, N, K) product: "gemv", "dot2", "dot", "swap" or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
-    if device == "cpu" and b_layout == "nk" and big_b and 2 <= m <= DOT_MAX_M:
+    nk = device == "cpu" and b_layout == "nk" and big_b
+    if nk and 2 <= m <= DOT_MAX_M:
         return "dot2" if m <= DOT2_MAX_M else "dot"
+    if nk and dtype == "float32" and static_k and _swap_fits(m, k):
+        return "swap"
     return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
+
+
+def _swap_fits(m: int, k: int) -> bool:
+    short = -m % SWAP_PANEL  # padded rows
+    return SWAP_MIN_M <= m <= SWAP_MAX_M and short <= SWAP_SLACK and k <= swap_max_k()
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -115,6 +156,12 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         tile = DOT2_TILE if spec.variant == "dot2" else DOT_TILE
         sch = s_tir.Schedule(gemm_compute(spec, *tile))
         _schedule_dot_nk(sch, spec, vec, tile)
+    elif spec.variant == "swap":
+        if spec.b_layout != "nk" or spec.dtype != "float32" or spec.k is None:
+            raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
+        rows, tiles = SWAP_TILE
+        sch = s_tir.Schedule(gemm_compute(spec, SWAP_PANEL, rows * tiles))
+        _schedule_swapped(sch, rows, tiles, vec)
     elif spec.variant == "gemv":
         if spec.b_layout == "kn":
             sch = s_tir.Schedule(gemm_compute(spec, 1, nr))
@@ -165,6 +212,36 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.compute_at(b_pad, jo)
     if spec.b_layout == "nk":
         _transpose_in_tiles(sch, b_pad, vec)
+    sch.decompose_reduction(acc, k)
+
+
+def _schedule_swapped(sch, rows: int, tiles: int, vec: int) -> None:
+    """The "swap" variant: per parallel task ``tiles`` x ``rows`` rows of the weight; for each
+    panel of 64 rows of x, each ``rows`` x 64 tile of the transposed result sums in registers
+    over all of K (``rows`` broadcasts of the weight, 4 vector loads of the panel, 24 FMAs a
+    step). x is packed into panels first, all of it, in parallel, by 16 x 16 transposes."""
+    a_pad, acc, out = sch.get_sblock("A_pad"), sch.get_sblock("acc"), sch.get_sblock("out")
+    sch.compute_inline(sch.get_sblock("B_pad"))  # the weight, read in place (rows clamped)
+    sch.transform_layout(a_pad, ("write", 0), lambda i, k: (i // SWAP_PANEL, k, i % SWAP_PANEL))
+    # The tile's accumulators with the rows of x last: contiguous vectors.
+    sch.transform_layout(acc, ("write", 0), lambda i, j: (j, i))
+    i, j, k = sch.get_loops(acc)
+    io, iv, ii = sch.split(i, [None, SWAP_PANEL // vec, vec])
+    jo, jt, ji = sch.split(j, [None, tiles, rows])
+    sch.reorder(jo, io, jt, k, ji, iv, ii)
+    sch.reverse_compute_at(out, jt)
+    sch.set_scope(acc, 0, "local")
+    sch.unroll(ji)
+    sch.unroll(iv)
+    sch.vectorize(ii)
+    sch.parallel(jo)
+    pi, pk = sch.get_loops(a_pad)
+    po, pv, pr = sch.split(pi, [None, SWAP_PANEL // vec, vec])
+    k0, k1 = sch.split(pk, [None, vec])
+    sch.reorder(po, k0, pv, pr, k1)
+    sch.parallel(po)
+    sch.unroll(pr)
+    sch.vectorize(k1)
     sch.decompose_reduction(acc, k)
 
 
