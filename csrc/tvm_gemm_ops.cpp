@@ -511,7 +511,11 @@ std::vector<std::unique_ptr<torch::Library>>& autograd_registrations() {
   return *libs;
 }
 
-constexpr std::array<const char*, 2> kOps{"matmul", "linear"};
+// The ops whose Python autograd kernel gets the C++ fast path in front. The conv op's CPU impl
+// stays in Python (ops/conv_ops.py), but its calls still pass the Autograd key first: without
+// grad the fast path saves its Python kernel (measured: a 1x1 conv on 7x7 pixels, fp32, 25.5
+// -> 19.7 us a call, against 10.5-11.2 us for F.relu(F.conv2d)).
+constexpr std::array<const char*, 3> kOps{"matmul", "linear", "conv2d_bias_relu"};
 
 // The C++ autograd kernel for one backend's autograd key, in front of the Python one.
 void register_autograd_fast_path(c10::DispatchKey autograd_key) {
