@@ -38,13 +38,15 @@ def test_which_specs_run_on_tiles():
     assert cpu_amx.applies(gemm_spec("bfloat16", 64, 768, 77, "kn", static_k=False), amx)
     assert cpu_amx.applies(gemm_spec("bfloat16", 128, 50257, 768, "kn"), amx)  # a partial panel
     assert cpu_amx.applies(dataclasses.replace(linear, bias_axis="m"), amx)  # a 1x1 conv
+    assert cpu_amx.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), amx)  # P @ V
+    assert cpu_amx.applies(GemmSpec("bfloat16", 128, 64, "nk", batched=True), amx)  # Q @ K^T
     # Not: other dtypes, M = 1 and 2 (the weight read once), an odd K of a Linear's weight
-    # (read in pairs), batched products.
+    # (read in pairs).
     assert not cpu_amx.applies(dataclasses.replace(linear, dtype="float32"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 2, 768, 768, "nk"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 1, 768, 768, "nk"), amx)
     assert not cpu_amx.applies(gemm_spec("bfloat16", 128, 768, 767, "nk"), amx)
-    assert not cpu_amx.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), amx)
+    assert not cpu_amx.applies(GemmSpec("bfloat16", 64, 63, "nk", batched=True), amx)
 
 
 def test_no_tiles_without_the_flags():
@@ -97,6 +99,33 @@ def test_partial_last_panel(n, layout):
     # "kn": a weight stored (K, N), read through its transposed view (GPT-2's Conv1D)
     weight = w if layout == "nk" else w.t().contiguous().t()
     assert_close(tg.linear(x, weight, b, "relu"), reference(x, w, b, "relu"), 64)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "a_shape, b_shape, transposed",
+    [
+        ((12, 128, 64), (12, 128, 64), True),  # attention's Q @ K^T: K^T read in place, "nk"
+        ((12, 128, 128), (12, 128, 64), False),  # P @ V
+        ((3, 100, 77), (3, 77, 100), False),  # partial blocks and panel, an odd K
+        ((3, 37, 66), (3, 45, 66), True),
+        ((1, 40, 64), (5, 64, 96), False),  # a broadcast batch
+    ],
+)
+def test_batched_on_tiles(a_shape, b_shape, transposed):
+    """3-D @ 3-D in one launch on the tiles: each task packs its panel of its own batch
+    entry's B and writes its entry's rows."""
+    a, b = randn(*a_shape, dtype=BF16), randn(*b_shape, dtype=BF16)
+    b = b.transpose(1, 2) if transposed else b
+    layout = "nk" if transposed else "kn"
+    k = a.shape[-1]
+    spec = gemm_spec("bfloat16", a.shape[1], b.shape[2], k, layout, static_k=transposed,
+                     batched=True)  # fmt: skip
+    assert cpu_amx.applies(spec, CPU)
+    want = a.float() @ b.float()
+    got = tg.matmul(a, b)
+    assert got.shape == want.shape
+    assert_close(got, want, k)
 
 
 @needs_amx

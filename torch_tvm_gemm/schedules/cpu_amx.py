@@ -38,7 +38,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 3
+SCHEDULE_VERSION = 5
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -53,11 +53,12 @@ VARIANTS = ("gemm", "dot")
 
 
 def applies(spec: GemmSpec, cpu: CpuInfo) -> bool:
-    """Whether ``spec`` runs on AMX tiles here: a bf16, 2-D GEMM of a variant above with whole
-    32-column panels (a Linear's weight also needs a static, even K, read in 32-bit pairs)."""
+    """Whether ``spec`` runs on AMX tiles here: a bf16 GEMM (2-D, or batched: attention's
+    products) of a variant above (a B of layout "nk" also needs a static, even K: it is read
+    in 32-bit pairs)."""
     if spec.dtype != "bfloat16" or spec.device != "cpu" or not cpu.amx_bf16:
         return False
-    if spec.batched or spec.variant not in VARIANTS:
+    if spec.variant not in VARIANTS:
         return False
     return spec.b_layout == "kn" or (spec.k is not None and spec.k % 2 == 0)
 
@@ -82,40 +83,49 @@ def _amx_gemm_func(spec: GemmSpec):
             T.func_attr({"tir.noalias": True})
             M = tirx.Var("M", "int64")
             K = tirx.const(spec.k, "int64") if spec.k is not None else tirx.Var("K", "int64")
+            # batched: A (batch, M, K), B (batch, N, K) or (batch, K, N), out (batch, M, N)
+            batch = tirx.Var("batch", "int64") if spec.batched else None
+            lead = (batch,) if spec.batched else ()
             handles = [T.arg(name, T.handle()) for name in ("A", "B")]
             if spec.bias:
                 handles.append(T.arg("bias", T.handle()))
             handles.append(T.arg("out", T.handle()))
-            A = T.match_buffer(handles[0], (M, K), "bfloat16")
-            B = T.match_buffer(handles[1], (N, K) if nk else (K, N), "bfloat16")
+            A = T.match_buffer(handles[0], (*lead, M, K), "bfloat16")
+            B = T.match_buffer(handles[1], (*lead, *((N, K) if nk else (K, N))), "bfloat16")
             bias_len = M if spec.bias_axis == "m" else N  # per row: a 1x1 conv as W @ X
             bias = T.match_buffer(handles[2], (bias_len,), "bfloat16") if spec.bias else None
-            out = T.match_buffer(handles[-1], (M, N), "bfloat16")
-            a_words = T.decl_buffer((M * K,), "uint16", data=A.data)
+            out = T.match_buffer(handles[-1], (*lead, M, N), "bfloat16")
             steps = (K + K_STEP - 1) // K_STEP
 
-            def fill_block(a_block, block):
-                _copy_a_block(T, tirx, a_words, a_block, M, K, block, steps)
+            def a_words(entry):  # A's matrix of the batch entry as 16-bit words
+                offset = None if entry is None else entry * (M * K)
+                return T.decl_buffer((M * K,), "uint16", data=A.data, elem_offset=offset)
 
-            def finish(row, col, value):
+            def fill_block(a_block, block, entry=None):
+                _copy_a_block(T, tirx, a_words(entry), a_block, M, K, block, steps)
+
+            def finish(row, col, value, entry=None):
                 if spec.bias:
                     value = value + bias[row if spec.bias_axis == "m" else col].astype("float32")
                 value = apply_activation(value, spec.activation, "float32", "cpu")
-                T.buffer_store(out, value.astype("bfloat16"), [row, col])
+                at = [row, col] if entry is None else [entry, row, col]
+                T.buffer_store(out, value.astype("bfloat16"), at)
 
-            def direct(block):  # whole blocks of a K of whole steps: A's rows in place
+            def direct(block, entry=None):  # whole blocks of a K of whole steps: A in place
+                words = a_words(entry)
+
                 def in_place(step, half):
                     at = (block * BLOCK + half * TILE_ROWS) * K + step * K_STEP
-                    return tirx.address_of(a_words[at]), K * 2
+                    return tirx.address_of(words[at]), K * 2
 
                 return tirx.all(block < M // BLOCK, K % K_STEP == 0), in_place
 
-            tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct)
+            tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch)
     return ib.get()
 
 
 def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=None, blocks=None,
-              row_of=None) -> None:  # fmt: skip
+              row_of=None, batch=None) -> None:  # fmt: skip
     """The body of a tile GEMM inside an IR builder's prim_func. B is the (N, K) weight
     (``nk``) or a (K, N) matrix; ``finish(row, col, value)`` stores one fp32 sum of the real
     (M, N) outputs. A comes in blocks of 32 rows, each read one of two ways:
@@ -128,7 +138,11 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
 
     ``blocks`` (default: M / 32 rounded up) and ``row_of(block, r)`` (default: the output
     row ``block * 32 + r``, real below M) map blocks to output rows: the conv's blocks are
-    pieces of image rows. (``cpu_amx_conv.py`` uses it too.)"""
+    pieces of image rows. (``cpu_amx_conv.py`` uses it too.)
+
+    ``batch`` (a batched GEMM: B holds ``batch`` matrices) makes the parallel loop run over
+    (batch entry, task) pairs, and ``finish``, ``fill_block`` and ``direct`` get the entry as
+    a last argument."""
 
     def i64(v):
         return tirx.const(v, "int64")
@@ -145,21 +159,27 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
         blocks = (M + BLOCK - 1) // BLOCK  # 32-row blocks of A, M zero-padded
     if row_of is None:
         row_of = lambda block, r: (block * BLOCK + r, block * BLOCK + r < M)  # noqa: E731
-    group = panels_per_task(panels)
+    group = panels_per_task(panels, batched=batch is not None)
     panel_words = steps * TILE_ROWS * BLOCK
-    with T.parallel(i64(0), i64(panels // group)) as task:
+    tasks = panels // group
+    with T.parallel(i64(0), i64(tasks) if batch is None else batch * tasks) as it:
+        entry = None if batch is None else it // tasks  # the batch entry of this task
+        task = it if batch is None else it % tasks
+        at_entry = () if entry is None else (entry,)  # the callbacks' extra argument
         config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
         b_pairs = T.alloc_buffer((group * panel_words,), "float32", align=64)
         c_acc = T.alloc_buffer((group * BLOCK * BLOCK,), "float32", align=64)
         a_tiles = T.alloc_buffer((steps * BLOCK * K_STEP,), "uint16", align=64)
         _load_tile_config(T, tirx, config, tile_op)
         if nk:
-            b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data)
+            offset = None if entry is None else entry * (N * (K // 2))  # (entry's matrix)
+            b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data, elem_offset=offset)
             for g in range(group):
                 panel = task * group + g
                 _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel, K, N, steps)
         else:
-            b_words = T.decl_buffer((K * N,), "uint16", data=B.data)
+            offset = None if entry is None else entry * (K * N)
+            b_words = T.decl_buffer((K * N,), "uint16", data=B.data, elem_offset=offset)
             b_pairs16 = T.decl_buffer((group * panel_words * 2,), "uint16", data=b_pairs.data)
             _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, K, N, steps)
 
@@ -176,11 +196,11 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
                                   g * BLOCK * BLOCK, steps, chunk, g * panel_words)  # fmt: skip
 
         def copy_then_products(block):
-            fill_block(a_tiles, block)
+            fill_block(a_tiles, block, *at_entry)
             products(copied)
 
         with T.serial(i64(0), blocks) as block:
-            condition, a_tile = direct(block) if direct is not None else (False, None)
+            condition, a_tile = direct(block, *at_entry) if direct is not None else (False, None)
             if condition is True:
                 products(a_tile)
             elif condition is False:
@@ -193,7 +213,7 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
                         copy_then_products(block)
             for g in range(group):
                 _epilogue(T, tirx, N, c_acc, g * BLOCK * BLOCK, block, task * group + g,
-                          row_of, finish)  # fmt: skip
+                          row_of, lambda *v: finish(*v, *at_entry))  # fmt: skip
         tile_op("tilerelease")
 
 
@@ -204,9 +224,10 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
 PANELS_PER_TASK = 4
 
 
-def panels_per_task(panels: int) -> int:
+def panels_per_task(panels: int, batched: bool = False) -> int:
+    """(Batched: the batch entries are tasks too, so a task may hold all of an entry's panels.)"""
     for g in range(PANELS_PER_TASK, 1, -1):
-        if panels % g == 0 and panels // g >= 4:
+        if panels % g == 0 and (batched or panels // g >= 4):
             return g
     return 1
 
