@@ -149,3 +149,29 @@ def test_compile_fullgraph_puts_the_op_in_the_graph():
 def test_entry_present_when_extension_is():
     # The package functions use the C++ entry whenever the extension is built.
     assert (entry._matmul_entry is not None) == (EXT is not None)
+
+
+def test_threads_through_the_entry():
+    """The entry lets go of the GIL while the op runs, as torch.ops does: threads calling the
+    package functions at once each get their own right answer."""
+    import threading
+
+    inputs = [(randn(40, 64, seed=s), randn(64, 24, seed=100 + s)) for s in range(4)]
+    want = [mm(a, b) for a, b in inputs]
+    got, errors = [None] * len(inputs), []
+
+    def work(i):
+        try:
+            a, b = inputs[i]
+            for _ in range(50):
+                got[i] = tg.matmul(a, b)
+                assert torch.equal(got[i], want[i])
+        except Exception as err:  # reported below: an assert in a thread would be lost
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
