@@ -128,6 +128,16 @@ def test_swap_variant_rule():
     assert gemm_variant(64, 768, 11008, "nk") == "gemm"  # a panel of x past half the L2
 
 
+def test_swap_needs_avx512():
+    from torch_tvm_gemm.schedules import cpu
+    from torch_tvm_gemm.target import CpuInfo
+
+    avx2 = CpuInfo("x86_64", "", frozenset({"avx2", "fma"}))
+    avx512 = CpuInfo("x86_64", "", frozenset({"avx2", "fma", "avx512f"}), 2 << 20)
+    assert cpu.swap_max_k(avx2) == 0  # 6 x 64 accumulators would not fit 16 registers
+    assert cpu.swap_max_k(avx512) == 4096
+
+
 def test_linear_non_contiguous():
     x = randn(9, 80)[:, ::2]
     w = randn(40, 19).t()  # (19, 40), not contiguous

@@ -71,8 +71,12 @@ SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulato
 
 
 def swap_max_k(cpu: CpuInfo | None = None) -> int:
-    """The longest K of the "swap" variant on this CPU (ops/impls.py hands it to csrc/ too)."""
-    return (cpu or host_cpu()).l2_bytes // 2 // (SWAP_PANEL * 4)
+    """The longest K of the "swap" variant on this CPU (ops/impls.py hands it to csrc/ too):
+    0, no swap, without AVX-512, whose 6 x 4 vectors of accumulators the tile needs."""
+    cpu = cpu or host_cpu()
+    if cpu.vector_bytes != 64:
+        return 0
+    return cpu.l2_bytes // 2 // (SWAP_PANEL * 4)
 
 
 def gemm_variant(
