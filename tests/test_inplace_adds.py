@@ -62,30 +62,32 @@ def _adds(model: nn.Module, target) -> int:
     return sum(1 for n in _nodes(model) if n.op == "call_function" and n.target is target)
 
 
+def _convert_matches_eager(model: nn.Module, x, run=lambda m, x: m(x)) -> nn.Module:
+    """Converts ``model`` in place, checking that ``run(model, x)`` gives eager's result."""
+    with torch.no_grad():
+        expected = run(model, x)
+        tg.convert(model)
+        got = run(model, x)
+    assert_close(got, expected, k=200)
+    return model
+
+
 @pytest.mark.parametrize("relu", [True, False])
 def test_residual_block_adds_in_place_and_matches_eager(relu):
     model = nn.Sequential(Bottleneck(relu=relu), Bottleneck(8, 8, relu=relu)).eval()
     x = randn(2, 4, 9, 10)
-    with torch.no_grad():
-        expected = model(x)
-        tg.convert(model)
-        got = model(x)
+    _convert_matches_eager(model, x)
     assert _adds(model, add_into) == 2 and _adds(model, operator.add) == 0
     # each block's final ReLU went into add_into (its first one is fused into conv1)
     relus = [n for n in _nodes(model) if n.op == "call_module" and n.target.endswith("act")]
     assert len(relus) == (0 if relu else 2)  # (without ReLU: the Identity stays)
-    assert_close(got, expected, k=200)
 
 
 def test_residual_first_operand_and_no_relu():
     model = ResidualFirst().eval()
     x = randn(2, 8, 5, 6)
-    with torch.no_grad():
-        expected = model(x)
-        tg.convert(model)
-        got = model(x)
+    _convert_matches_eager(model, x)
     assert _adds(model, add_into) == 1
-    assert_close(got, expected, k=200)
 
 
 def test_training_step_with_in_place_adds_matches_eager():
@@ -104,23 +106,15 @@ def test_training_step_with_in_place_adds_matches_eager():
 def test_vmap_over_converted_block_matches_eager():
     model = Bottleneck(8, 8).eval()
     x = randn(3, 2, 8, 5, 5)
-    with torch.no_grad():
-        expected = torch.func.vmap(model)(x)
-        tg.convert(model)
-        got = torch.func.vmap(model)(x)
+    _convert_matches_eager(model, x, lambda m, x: torch.func.vmap(m)(x))
     assert _adds(model, add_into) == 1
-    assert_close(got, expected, k=200)
 
 
 def test_torch_compile_fullgraph_over_in_place_adds():
     model = nn.Sequential(Bottleneck(), Bottleneck(8, 8)).eval()
     x = randn(2, 4, 6, 5)
-    with torch.no_grad():
-        expected = model(x)
-        tg.convert(model)
-        got = torch.compile(model, fullgraph=True)(x)
+    _convert_matches_eager(model, x, lambda m, x: torch.compile(m, fullgraph=True)(x))
     assert _adds(model, add_into) == 2
-    assert_close(got, expected, k=200)
 
 
 def test_a_fresh_output_read_twice_is_not_written():
@@ -135,12 +129,8 @@ def test_a_fresh_output_read_twice_is_not_written():
 
     model = TwoUsers().eval()
     x = randn(2, 4, 5, 5)
-    with torch.no_grad():
-        expected = model(x)
-        tg.convert(model)
-        got = model(x)
+    _convert_matches_eager(model, x)
     assert _adds(model, add_into) == 0
-    assert_close(got, expected, k=200)
 
 
 def test_add_into_writes_only_when_the_result_is_the_same():
