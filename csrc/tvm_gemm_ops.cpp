@@ -31,6 +31,9 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -82,6 +85,9 @@ struct Config {
   int none_activation = 0;  // index of "none" in activations
   // KERNEL_ALIGNMENT["cpu"] - 1 (a power of two): a pointer p is aligned when (p & mask) == 0.
   uintptr_t alignment_mask = 63;
+  // Outputs of this many bytes or more are advised as huge pages (runtime/huge_pages.py
+  // HUGE_OUTPUT_BYTES; 0: never).
+  int64_t huge_output_bytes = 0;
 };
 
 // Written only by register_impls() while no impl is registered, read by the impls afterwards.
@@ -292,6 +298,25 @@ at::Tensor aligned(const at::Tensor& t) {
   return is_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
+// at::empty, advised as transparent huge pages from g_config.huge_output_bytes on: mirrors
+// runtime/huge_pages.py empty(), whose docstring has the why and the measurements.
+at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor out = at::empty(sizes, options);
+  const int64_t bytes = static_cast<int64_t>(out.nbytes());
+#ifdef MADV_HUGEPAGE
+  if (g_config.huge_output_bytes > 0 && bytes >= g_config.huge_output_bytes) {
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t start = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const uintptr_t first = (start + page - 1) / page * page;
+    const uintptr_t last = (start + bytes) / page * page;
+    if (last > first) {
+      (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // a hint
+    }
+  }
+#endif
+  return out;
+}
+
 DLTensor dl_view(const at::Tensor& t, const DtypeInfo& dtype) {
   DLTensor d;
   d.data = t.data_ptr();  // already includes the storage offset, so byte_offset stays 0
@@ -326,7 +351,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   const int64_t m = a.size(0);
   const int64_t k = a.size(1);
   const int64_t n = b_nk ? b.size(0) : b.size(1);
-  at::Tensor result = out.has_value() ? *out : at::empty({m, n}, a.options());
+  at::Tensor result = out.has_value() ? *out : empty_output({m, n}, a.options());
   if (m == 0 || n == 0) return result;
   if (k == 0) {  // an empty sum: the result is act(bias) or act(0)
     at::Tensor zero = bias.has_value() ? bias->expand({m, n}) : at::zeros_like(result);
@@ -397,7 +422,7 @@ at::Tensor rows(const at::Tensor& t) {
 at::Tensor matmul_batched(const at::Tensor& a, const at::Tensor& b, int64_t batch, int64_t m,
                           int64_t n) {
   const int64_t k = a.size(-1);
-  at::Tensor out = at::empty({batch, m, n}, a.options());
+  at::Tensor out = empty_output({batch, m, n}, a.options());
   if (out.numel() == 0) return out;
   if (k == 0) return out.zero_();
   const DtypeInfo& dtype = *find_dtype(a.scalar_type());
@@ -542,7 +567,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
-                    bool autograd_fast_path) {
+                    bool autograd_fast_path, int64_t huge_output_bytes) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -552,6 +577,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.gemv_min_b_elements = gemv_min_b_elements;
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
+  config.huge_output_bytes = huge_output_bytes;
   TORCH_CHECK(swap.empty() || (swap.size() == 5 && swap[2] > 0),
               "tvm_gemm: swap must be (min_m, max_m, panel, slack, max_k)");
   if (!swap.empty()) config.swap = {swap[0], swap[1], swap[2], swap[3], swap[4]};
@@ -617,6 +643,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
         py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
+        py::arg("huge_output_bytes") = 0,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..func_autograd import register_function_autograd
 from ..kernels.conv2d import Conv2dSpec, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
+from ..runtime import huge_pages
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules.cpu_amx_conv import input_padding
@@ -90,7 +91,7 @@ def _conv2d_impl(
         x, weight, bias, stride, padding, dilation, groups, relu, activation
     )
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out = huge_pages.empty(shape, x.dtype, x.device)
     if out.numel() == 0:  # (no input channels included: check_conv2d)
         return out
     if route == "gemm":

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..func_autograd import register_function_autograd
 from ..kernels.gemm import GemmSpec, torch_activation
+from ..runtime import huge_pages
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules.cpu import gemm_variant
@@ -102,7 +103,7 @@ def gemm(
     m, k = a.shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        out = huge_pages.empty((m, n), a.dtype, a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
@@ -232,7 +233,7 @@ def _matmul_batched(a: Tensor, b: Tensor, shape: list[int]) -> Tensor:
     in attention) is read in place as "nk"."""
     batch, m, n = shape
     k = a.shape[-1]
-    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    out = huge_pages.empty(shape, a.dtype, a.device)
     if out.numel() == 0:
         return out
     if k == 0:

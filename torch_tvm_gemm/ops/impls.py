@@ -20,6 +20,7 @@ import tvm_ffi
 
 from .. import _ext
 from ..kernels.gemm import ACTIVATIONS
+from ..runtime import huge_pages
 from ..runtime.table import get_kernel, on_clear_table
 from ..schedules import cpu as cpu_schedules
 from ..schedules.cpu import DOT2_MAX_M, DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
@@ -130,6 +131,7 @@ def use_impl(path: str) -> str:
                 cpu_schedules.SWAP_SLACK,
                 cpu_schedules.swap_max_k(),
             ],
+            huge_output_bytes=huge_pages.huge_output_bytes(),
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]
