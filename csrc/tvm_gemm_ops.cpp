@@ -75,6 +75,7 @@ struct Config {
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
   int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
+  int64_t amx_dot_max_m = 0;  // bfloat16 "nk", static even K: "dot" up to this M
   // "swap" (float32 "nk", static K): M in [min_m, max_m], at most slack rows short of whole
   // panels of panel rows, K <= max_k (schedules/cpu.py SWAP_* and swap_max_k); max_m 0: never.
   struct {
@@ -165,9 +166,13 @@ constexpr std::array<const char*, 5> kVariants{{"gemm", "gemv", "dot", "dot2", "
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
 // error if its variant differs (tests/test_csrc.py sweeps both rules against each other).
-int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool static_k) {
+int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf16,
+                 bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
   if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
+  if (b_nk && big_b && bf16 && static_k && k % 2 == 0 && m >= 2 && m <= g_config.amx_dot_max_m) {
+    return 2;
+  }
   const auto& swap = g_config.swap;
   if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
       (swap.panel - m % swap.panel) % swap.panel <= swap.slack && k <= swap.max_k) {
@@ -364,7 +369,8 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
                       b_nk,
                       bias.has_value(),
                       act,
-                      gemm_variant(m, n, k, b_nk, dtype.scalar == at::kFloat, static_k),
+                      gemm_variant(m, n, k, b_nk, dtype.scalar == at::kFloat,
+                                   dtype.scalar == at::kBFloat16, static_k),
                       /*batched=*/false,
                       a.device().type(),
                       c10::DeviceIndex(0)};
@@ -567,7 +573,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
-                    bool autograd_fast_path, int64_t huge_output_bytes) {
+                    bool autograd_fast_path, int64_t huge_output_bytes,
+                    int64_t amx_dot_max_m) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -578,6 +585,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
   config.huge_output_bytes = huge_output_bytes;
+  config.amx_dot_max_m = amx_dot_max_m;
   TORCH_CHECK(swap.empty() || (swap.size() == 5 && swap[2] > 0),
               "tvm_gemm: swap must be (min_m, max_m, panel, slack, max_k)");
   if (!swap.empty()) config.swap = {swap[0], swap[1], swap[2], swap[3], swap[4]};
@@ -621,7 +629,8 @@ std::string key_variant(int64_t m, int64_t n, int64_t k, const std::string& b_la
                         const std::string& dtype, bool static_k) {
   TORCH_CHECK(!g_config.activations.empty(), "tvm_gemm: register_impls() has not run yet");
   TORCH_CHECK(b_layout == "kn" || b_layout == "nk", "tvm_gemm: b_layout must be 'kn' or 'nk'");
-  return kVariants[gemm_variant(m, n, k, b_layout == "nk", dtype == "float32", static_k)];
+  return kVariants[gemm_variant(m, n, k, b_layout == "nk", dtype == "float32",
+                                dtype == "bfloat16", static_k)];
 }
 
 int64_t table_size() {
@@ -643,7 +652,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
         py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
-        py::arg("huge_output_bytes") = 0,
+        py::arg("huge_output_bytes") = 0, py::arg("amx_dot_max_m") = 0,
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -14,7 +14,7 @@ from conftest import assert_close, randn
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import GemmSpec, torch_activation
 from torch_tvm_gemm.ops.gemm_ops import gemm_spec
-from torch_tvm_gemm.schedules import cpu_amx
+from torch_tvm_gemm.schedules import cpu, cpu_amx
 from torch_tvm_gemm.target import CpuInfo, host_cpu
 
 CPU = host_cpu()
@@ -78,13 +78,58 @@ def test_linear_every_m(m, act):
     assert_close(tg.linear(x, w, b, act), reference(x, w, b, act), k)
 
 
+def test_dot_variant_range():
+    """bf16 "nk" with a static even K takes the tiles' "dot" kernel up to AMX_DOT_MAX_M rows
+    on an AMX CPU; elsewhere the range of every dtype."""
+    amx = dataclasses.replace(CPU, features=CPU.features | {"amx_tile", "amx_bf16"})
+    plain = CpuInfo("x86_64", "", frozenset({"avx512f", "avx2", "fma"}))
+    if amx.amx_bf16:
+        assert cpu.amx_dot_max_m(amx) == cpu.AMX_DOT_MAX_M > cpu.DOT_MAX_M
+    assert cpu.amx_dot_max_m(plain) == cpu.DOT_MAX_M
+    if CPU.amx_bf16:
+        variants = [gemm_spec("bfloat16", m, 768, 768, "nk").variant for m in (3, 128, 129)]
+        assert variants == ["dot", "dot", "gemm"]
+        assert gemm_spec("bfloat16", 64, 768, 767, "nk").variant == "gemm"  # an odd K
+        assert gemm_spec("bfloat16", 64, 768, 768, "nk", static_k=False).variant == "gemm"
+        assert gemm_spec("bfloat16", 64, 768, 768, "kn").variant == "gemm"
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [3, 33, 64, 127])
+@pytest.mark.parametrize(
+    "n, k", [(256, 96), (100, 64), (200, 34)], ids=["whole", "partial-block", "partial-step"]
+)
+def test_dot_variant_on_tiles(m, n, k):
+    """The transposed product (the weight's rows as tiles in place, x packed; out^T summed):
+    whole blocks, a partial last block of weight rows (N % 32 != 0), a K that is not whole
+    32-value steps (every block copied, zero-padded); bias and activation per column."""
+    x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, k, "nk", bias=True, activation="gelu").variant == "dot"
+    assert_close(tg.linear(x, w, b, "gelu"), reference(x, w, b, "gelu"), k)
+
+
+@needs_amx
+def test_dot_kernel_any_m():
+    """The dot kernel itself loops over blocks of 32 rows of x: right past its M range too."""
+    from torch_tvm_gemm.runtime.table import get_kernel
+
+    kernel = get_kernel(GemmSpec("bfloat16", 96, 64, "nk", bias=True, variant="dot"))
+    for m in (1, 161):
+        x, w, b = randn(m, 64, dtype=BF16), randn(96, 64, dtype=BF16), randn(96, dtype=BF16)
+        out = torch.empty(m, 96, dtype=BF16)
+        kernel(x, w, b, out)
+        assert_close(out, reference(x, w, b, "none"), 64)
+
+
 @needs_amx
 @pytest.mark.parametrize("k", [34, 80, 544], ids=["one-partial-step", "partial", "chunks"])
 @pytest.mark.parametrize("n", [32, 256, 512], ids=["1-panel", "2-per-task", "4-per-task"])
 def test_linear_padded_k_and_panel_groups(k, n):
     """K not a multiple of the 32-value step (zero padding in both operands), more than one
     K chunk of 256, and N split into tasks of 1, 2 and 4 panels."""
-    x, w = randn(45, k, dtype=BF16), randn(n, k, dtype=BF16)
+    m = cpu.AMX_DOT_MAX_M + 17  # the packed kernel (below: the dot variant, for "nk")
+    x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, k, "nk").variant == "gemm"
     assert_close(tg.linear(x, w, None, "none"), reference(x, w, None, "none"), k)
 
 
@@ -94,8 +139,10 @@ def test_linear_padded_k_and_panel_groups(k, n):
 def test_partial_last_panel(n, layout):
     """N not a multiple of 32 (a vocabulary projection): the last panel's columns past N
     read clamped, their sums never stored; the bias and activation still per column."""
-    x, w, b = randn(37, 64, dtype=BF16), randn(n, 64, dtype=BF16), randn(n, dtype=BF16)
-    assert cpu_amx.applies(gemm_spec("bfloat16", 37, n, 64, layout, bias=True), CPU)
+    m = cpu.AMX_DOT_MAX_M + 9  # the packed kernel
+    x, w, b = randn(m, 64, dtype=BF16), randn(n, 64, dtype=BF16), randn(n, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, 64, layout, bias=True).variant == "gemm"
+    assert cpu_amx.applies(gemm_spec("bfloat16", m, n, 64, layout, bias=True), CPU)
     # "kn": a weight stored (K, N), read through its transposed view (GPT-2's Conv1D)
     weight = w if layout == "nk" else w.t().contiguous().t()
     assert_close(tg.linear(x, weight, b, "relu"), reference(x, w, b, "relu"), 64)

@@ -10,6 +10,7 @@ from conftest import DTYPES, assert_close, randn, tolerance
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.schedules.cpu import gemm_variant
+from torch_tvm_gemm.target import host_cpu
 
 REF_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu}
 
@@ -123,7 +124,9 @@ def test_swap_variant_rule():
     ]
     assert gemm_variant(64, 768, 768, "kn") == "gemm"  # a (K, N) B: no weight rows to read
     assert gemm_variant(64, 768, 768, "nk", dtype="float64") == "gemm"
-    assert gemm_variant(64, 768, 768, "nk", dtype="bfloat16") == "gemm"  # AMX tiles
+    # bf16: the AMX tiles' own "dot" (tests/test_amx.py), else the packed kernel
+    amx = host_cpu().amx_bf16
+    assert gemm_variant(64, 768, 768, "nk", dtype="bfloat16") == ("dot" if amx else "gemm")
     assert gemm_variant(64, 768, 768, "nk", static_k=False) == "gemm"
     assert gemm_variant(64, 768, 11008, "nk") == "gemm"  # a panel of x past half the L2
 

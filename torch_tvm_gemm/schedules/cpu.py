@@ -31,7 +31,8 @@ torch against 0.95-1.10x).
 A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
 (``kernels/gemm_kblocked.py``).
 
-bfloat16 on a CPU with AMX tiles: the "gemm" and "dot" variants run ``cpu_amx.py`` instead.
+bfloat16 on a CPU with AMX tiles: the "gemm" and "dot" variants run ``cpu_amx.py`` instead,
+its "dot" up to AMX_DOT_MAX_M rows.
 """
 
 from __future__ import annotations
@@ -70,6 +71,22 @@ SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 64, 8
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 
 
+# bfloat16 on AMX tiles: the "dot" variant (cpu_amx.py: the weight's rows loaded as tiles in
+# place, x packed) up to AMX_DOT_MAX_M rows, where the packed kernel packs the whole weight for
+# a few blocks of x. Measured (kernels alone, 2 threads, Intel Xeon, against F.linear): dot /
+# packed at M = 64: 1.96x / 1.45x (N=768 K=3072), 1.82x / 0.88x (4096 x 4096); M = 128: 1.60x /
+# 1.40x, 1.42x / 0.90x; M = 192 even (1.42x / 1.41x, 1.10x / 0.90x); from M = 256 the packed
+# kernel is ahead (0.88-0.93x / 0.94-0.98x, at 512: 0.66-0.96x / 1.05-1.12x).
+AMX_DOT_MAX_M = 128
+
+
+def amx_dot_max_m(cpu: CpuInfo | None = None) -> int:
+    """The largest M of the bf16 "dot" variant on this CPU (ops/impls.py hands it to csrc/
+    too): AMX_DOT_MAX_M with AMX tiles, else DOT_MAX_M, as for every dtype."""
+    cpu = cpu or host_cpu()
+    return AMX_DOT_MAX_M if cpu.amx_bf16 else DOT_MAX_M
+
+
 def swap_max_k(cpu: CpuInfo | None = None) -> int:
     """The longest K of the "swap" variant on this CPU (ops/impls.py hands it to csrc/ too):
     0, no swap, without AVX-512, whose 6 x 4 vectors of accumulators the tile needs."""
@@ -93,6 +110,9 @@ def gemm_variant(
     nk = device == "cpu" and b_layout == "nk" and big_b
     if nk and 2 <= m <= DOT_MAX_M:
         return "dot2" if m <= DOT2_MAX_M else "dot"
+    # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
+    if nk and dtype == "bfloat16" and static_k and k % 2 == 0 and 2 <= m <= amx_dot_max_m():
+        return "dot"
     if nk and dtype == "float32" and static_k and _swap_fits(m, k):
         return "swap"
     return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"

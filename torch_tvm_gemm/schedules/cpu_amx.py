@@ -38,7 +38,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 5
+SCHEDULE_VERSION = 7
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -67,7 +67,20 @@ def schedule_gemm_amx(spec: GemmSpec):
     """The IRModule ``main(A, B[, bias], out)`` of ``spec`` on AMX tiles."""
     import tvm
 
-    return tvm.IRModule({"main": _amx_gemm_func(spec)})
+    func = _amx_dot_func(spec) if spec.variant == "dot" else _amx_gemm_func(spec)
+    return tvm.IRModule({"main": func})
+
+
+def _tile_ops(T, tirx):
+    """(tile_op(name, *args): one AMX intrinsic call, tmm(t): tile register t as an immediate)."""
+
+    def tile_op(name, *args):
+        T.evaluate(tirx.call_llvm_intrin("void", "llvm.x86." + name, *args))
+
+    def tmm(t):
+        return tirx.const(t, "int8")
+
+    return tile_op, tmm
 
 
 def _amx_gemm_func(spec: GemmSpec):
@@ -120,12 +133,141 @@ def _amx_gemm_func(spec: GemmSpec):
 
                 return tirx.all(block < M // BLOCK, K % K_STEP == 0), in_place
 
-            tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch)
+            tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch,
+                      max_group=_max_group(spec))  # fmt: skip
     return ib.get()
 
 
+def _max_group(spec: GemmSpec) -> int:
+    """The most panels a task of the packed kernel may hold: their pairs (K x 32 words each)
+    in half the L2. Measured at N=4096 K=11008 (704 KB a panel; kernels alone, 2 threads,
+    against F.linear, M = 256 / 512 / 2048): 4 panels a task 0.63x / 0.63x / 0.56x, 2: 0.75x /
+    0.75x / 0.73x, 1: 0.75x / 0.79x / 0.80x. (A K this long still streams each block of A from
+    memory once per task: K blocking is what would close the rest.)"""
+    from ..target import host_cpu
+
+    if spec.k is None:
+        return PANELS_PER_TASK
+    panel_bytes = spec.k * BLOCK * 2  # bf16 pairs: K/2 rows of 32 32-bit words
+    return max(1, min(PANELS_PER_TASK, host_cpu().l2_bytes // 2 // panel_bytes))
+
+
+def _amx_dot_func(spec: GemmSpec):
+    """The "dot" variant (a Linear at M = 3..32) as the transposed product out^T = W @ x^T.
+
+    The packed kernel packs the weight into pairs on every call, N x K values, and uses each
+    panel for one or two blocks of A at these M: the pack was most of the call (768 x 3072 at
+    M = 8: 0.78x oneDNN). Here the weight is the A operand, its 32-row blocks loaded as tiles
+    in place (16 rows at its row stride), and x, at most a few blocks of 32 rows, is what is
+    packed into pairs, once per call before the parallel loop over the weight's blocks. Each
+    32 x 32 sum holds out^T: the epilogue reads it transposed (a gather per 32 outputs)."""
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    def i64(v):
+        return tirx.const(v, "int64")
+
+    N, K = spec.n, spec.k  # "nk", K static and even (applies())
+    steps = -(-K // K_STEP)
+    panel_words = steps * TILE_ROWS * BLOCK
+    tile_op, tmm = _tile_ops(T, tirx)
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("main")
+            T.func_attr({"tir.noalias": True})
+            M = tirx.Var("M", "int64")
+            handles = [T.arg(name, T.handle()) for name in ("A", "B")]
+            if spec.bias:
+                handles.append(T.arg("bias", T.handle()))
+            handles.append(T.arg("out", T.handle()))
+            A = T.match_buffer(handles[0], (M, i64(K)), "bfloat16")
+            B = T.match_buffer(handles[1], (i64(N), i64(K)), "bfloat16")
+            bias = T.match_buffer(handles[2], (i64(N),), "bfloat16") if spec.bias else None
+            out = T.match_buffer(handles[-1], (M, i64(N)), "bfloat16")
+            x_blocks = (M + BLOCK - 1) // BLOCK
+            # x as 32-bit pairs, each block of 32 rows transposed into a panel of pairs
+            x_words = T.decl_buffer((M * (K // 2),), "float32", data=A.data)
+            x_pairs = T.alloc_buffer((x_blocks * panel_words,), "float32", align=64)
+            with T.serial(i64(0), x_blocks) as xb:
+                _pack_nk(T, tirx, x_words, x_pairs, xb * panel_words, xb, i64(K), M, steps)
+            w_words = T.decl_buffer((N * K,), "uint16", data=B.data)
+
+            def finish(row, col, value):
+                if spec.bias:
+                    value = value + bias[col].astype("float32")
+                value = apply_activation(value, spec.activation, "float32", "cpu")
+                T.buffer_store(out, value.astype("bfloat16"), [row, col])
+
+            with T.parallel(i64(0), i64(-(-N // BLOCK))) as block:
+                config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
+                c_acc = T.alloc_buffer((BLOCK * BLOCK,), "float32", align=64)
+                _load_tile_config(T, tirx, config, tile_op)
+
+                def in_place(step, half):  # the weight's rows, at its row stride
+                    at = (block * BLOCK + half * TILE_ROWS) * K + step * K_STEP
+                    return tirx.address_of(w_words[at]), i64(K * 2)
+
+                def copied(step, half):
+                    return tirx.address_of(w_tiles[step * (BLOCK * K_STEP) + half * 512]), i64(64)
+
+                def products(a_tile, xb):
+                    with T.serial(i64(0), i64(-(-steps // CHUNK_STEPS))) as chunk:
+                        _tile_product(T, tirx, tile_op, tmm, a_tile, x_pairs, c_acc, 0, steps,
+                                      chunk, xb * panel_words)  # fmt: skip
+
+                whole = K % K_STEP == 0  # else every block is copied, zero-padded in K
+                if not whole or N % BLOCK:
+                    # a partial last block (rows past N zero) or a partial last K step
+                    w_tiles = T.alloc_buffer((steps * BLOCK * K_STEP,), "uint16", align=64)
+
+                def copy_then_products(xb):
+                    _copy_a_block(T, tirx, w_words, w_tiles, i64(N), i64(K), block, steps)
+                    products(copied, xb)
+
+                with T.serial(i64(0), x_blocks) as xb:
+                    if whole and N % BLOCK == 0:
+                        products(in_place, xb)
+                    elif not whole:
+                        copy_then_products(xb)
+                    else:
+                        with T.If(block < N // BLOCK):
+                            with T.Then():
+                                products(in_place, xb)
+                            with T.Else():
+                                copy_then_products(xb)
+                    _transposed_epilogue(T, tirx, N, M, c_acc, block, xb, finish)
+                tile_op("tilerelease")
+    return ib.get()
+
+
+def _transposed_epilogue(T, tirx, N, M, c_acc, block, xb, finish):
+    """out[x row, weight row] from ``c_acc[weight row * 32 + x row]`` of the dot variant: the
+    block's real x rows, each as a vector of 32 outputs (a partial last block of the weight,
+    N % 32 != 0, element by element)."""
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+
+    def store(j, r):
+        finish(xb * BLOCK + j, block * BLOCK + r, c_acc[r * BLOCK + j])
+
+    with T.serial(i64(0), i64(BLOCK)) as j:
+        with T.If(xb * BLOCK + j < M):
+            with T.Then():
+                if N % BLOCK == 0:
+                    with T.vectorized(i64(0), i64(BLOCK)) as r:
+                        store(j, r)
+                else:
+                    with T.If(block < N // BLOCK):
+                        with T.Then():
+                            with T.vectorized(i64(0), i64(BLOCK)) as r:
+                                store(j, r)
+                        with T.Else():
+                            with T.serial(i64(0), N - block * BLOCK) as r:
+                                store(j, r)
+
+
 def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=None, blocks=None,
-              row_of=None, batch=None) -> None:  # fmt: skip
+              row_of=None, batch=None, max_group=None) -> None:  # fmt: skip
     """The body of a tile GEMM inside an IR builder's prim_func. B is the (N, K) weight
     (``nk``) or a (K, N) matrix; ``finish(row, col, value)`` stores one fp32 sum of the real
     (M, N) outputs. A comes in blocks of 32 rows, each read one of two ways:
@@ -142,24 +284,19 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
 
     ``batch`` (a batched GEMM: B holds ``batch`` matrices) makes the parallel loop run over
     (batch entry, task) pairs, and ``finish``, ``fill_block`` and ``direct`` get the entry as
-    a last argument."""
+    a last argument. ``max_group`` caps the panels per task (default PANELS_PER_TASK)."""
 
     def i64(v):
         return tirx.const(v, "int64")
 
-    def tile_op(name, *args):
-        T.evaluate(tirx.call_llvm_intrin("void", "llvm.x86." + name, *args))
-
-    def tmm(t):  # a tile register number: an immediate operand
-        return tirx.const(t, "int8")
-
+    tile_op, tmm = _tile_ops(T, tirx)
     panels = -(-N // BLOCK)  # the last one partial where N % 32 != 0
     steps = (K + K_STEP - 1) // K_STEP  # K steps of 32, K zero-padded
     if blocks is None:
         blocks = (M + BLOCK - 1) // BLOCK  # 32-row blocks of A, M zero-padded
     if row_of is None:
         row_of = lambda block, r: (block * BLOCK + r, block * BLOCK + r < M)  # noqa: E731
-    group = panels_per_task(panels, batched=batch is not None)
+    group = panels_per_task(panels, batched=batch is not None, most=max_group or PANELS_PER_TASK)
     panel_words = steps * TILE_ROWS * BLOCK
     tasks = panels // group
     with T.parallel(i64(0), i64(tasks) if batch is None else batch * tasks) as it:
@@ -224,9 +361,9 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
 PANELS_PER_TASK = 4
 
 
-def panels_per_task(panels: int, batched: bool = False) -> int:
+def panels_per_task(panels: int, batched: bool = False, most: int = PANELS_PER_TASK) -> int:
     """(Batched: the batch entries are tasks too, so a task may hold all of an entry's panels.)"""
-    for g in range(PANELS_PER_TASK, 1, -1):
+    for g in range(most, 1, -1):
         if panels % g == 0 and (batched or panels // g >= 4):
             return g
     return 1
@@ -303,10 +440,11 @@ def _load_tile_config(T, tirx, config, tile_op):
 
 
 def _row(n, N):
-    """A weight row past N (a partial last panel) reads row N - 1: its sums are not stored."""
+    """A weight row past N (a partial last panel; N may be symbolic) reads row N - 1: its
+    sums are not stored."""
     from tvm import tirx
 
-    return tirx.min(n, N - 1) if N % BLOCK else n
+    return n if isinstance(N, int) and N % BLOCK == 0 else tirx.min(n, N - 1)
 
 
 def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps):
