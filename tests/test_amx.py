@@ -97,12 +97,15 @@ def test_dot_variant_range():
 @needs_amx
 @pytest.mark.parametrize("m", [3, 33, 64, 127])
 @pytest.mark.parametrize(
-    "n, k", [(256, 96), (100, 64), (200, 34)], ids=["whole", "partial-block", "partial-step"]
+    "n, k",
+    [(256, 96), (100, 64), (200, 34), (504, 64), (768, 544)],
+    ids=["whole", "partial-block", "partial-step", "16-blocks-partial", "chunks"],
 )
 def test_dot_variant_on_tiles(m, n, k):
     """The transposed product (the weight's rows as tiles in place, x packed; out^T summed):
-    whole blocks, a partial last block of weight rows (N % 32 != 0), a K that is not whole
-    32-value steps (every block copied, zero-padded); bias and activation per column."""
+    whole blocks, a partial last block of weight rows (N % 32 != 0, after 1 or 15 whole
+    ones), a K that is not whole 32-value steps (every block copied, zero-padded), K in
+    several chunks; bias and activation per column."""
     x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)
     assert gemm_spec("bfloat16", m, n, k, "nk", bias=True, activation="gelu").variant == "dot"
     assert_close(tg.linear(x, w, b, "gelu"), reference(x, w, b, "gelu"), k)
@@ -113,10 +116,10 @@ def test_dot_kernel_any_m():
     """The dot kernel itself loops over blocks of 32 rows of x: right past its M range too."""
     from torch_tvm_gemm.runtime.table import get_kernel
 
-    kernel = get_kernel(GemmSpec("bfloat16", 96, 64, "nk", bias=True, variant="dot"))
+    kernel = get_kernel(GemmSpec("bfloat16", 512, 64, "nk", bias=True, variant="dot"))
     for m in (1, 161):
-        x, w, b = randn(m, 64, dtype=BF16), randn(96, 64, dtype=BF16), randn(96, dtype=BF16)
-        out = torch.empty(m, 96, dtype=BF16)
+        x, w, b = randn(m, 64, dtype=BF16), randn(512, 64, dtype=BF16), randn(512, dtype=BF16)
+        out = torch.empty(m, 512, dtype=BF16)
         kernel(x, w, b, out)
         assert_close(out, reference(x, w, b, "none"), 64)
 
