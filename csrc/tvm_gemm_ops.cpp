@@ -75,7 +75,11 @@ struct Config {
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
   int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
-  int64_t amx_dot_max_m = 0;  // bfloat16 "nk", static even K: "dot" up to this M
+  // bfloat16 "nk", static even K: "dot" up to max_m rows while x (M x K x 2 bytes) is at
+  // most max_x_bytes (schedules/cpu.py amx_dot_limits); max_m 0: never past dot_max_m.
+  struct {
+    int64_t max_m = 0, max_x_bytes = 0;
+  } amx_dot;
   // "swap" (float32 "nk", static K): M in [min_m, max_m], at most slack rows short of whole
   // panels of panel rows, K <= max_k (schedules/cpu.py SWAP_* and swap_max_k); max_m 0: never.
   struct {
@@ -170,7 +174,9 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
                  bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
   if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
-  if (b_nk && big_b && bf16 && static_k && k % 2 == 0 && m >= 2 && m <= g_config.amx_dot_max_m) {
+  const auto& amx = g_config.amx_dot;
+  if (b_nk && big_b && bf16 && static_k && k % 2 == 0 && m >= 2 && m <= amx.max_m &&
+      m * k * 2 <= amx.max_x_bytes) {
     return 2;
   }
   const auto& swap = g_config.swap;
@@ -574,7 +580,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
                     bool autograd_fast_path, int64_t huge_output_bytes,
-                    int64_t amx_dot_max_m) {
+                    const std::vector<int64_t>& amx_dot) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -585,7 +591,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
   config.huge_output_bytes = huge_output_bytes;
-  config.amx_dot_max_m = amx_dot_max_m;
+  TORCH_CHECK(amx_dot.empty() || amx_dot.size() == 2,
+              "tvm_gemm: amx_dot must be (max_m, max_x_bytes)");
+  if (!amx_dot.empty()) config.amx_dot = {amx_dot[0], amx_dot[1]};
   TORCH_CHECK(swap.empty() || (swap.size() == 5 && swap[2] > 0),
               "tvm_gemm: swap must be (min_m, max_m, panel, slack, max_k)");
   if (!swap.empty()) config.swap = {swap[0], swap[1], swap[2], swap[3], swap[4]};
@@ -652,7 +660,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
         py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
-        py::arg("huge_output_bytes") = 0, py::arg("amx_dot_max_m") = 0,
+        py::arg("huge_output_bytes") = 0, py::arg("amx_dot") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -80,14 +80,17 @@ def test_linear_every_m(m, act):
 
 def test_dot_variant_range():
     """bf16 "nk" with a static even K takes the tiles' "dot" kernel up to AMX_DOT_MAX_M rows
-    on an AMX CPU; elsewhere the range of every dtype."""
+    on an AMX CPU, while x fits in the L2; elsewhere the range of every dtype."""
     amx = dataclasses.replace(CPU, features=CPU.features | {"amx_tile", "amx_bf16"})
     plain = CpuInfo("x86_64", "", frozenset({"avx512f", "avx2", "fma"}))
     if amx.amx_bf16:
-        assert cpu.amx_dot_max_m(amx) == cpu.AMX_DOT_MAX_M > cpu.DOT_MAX_M
-    assert cpu.amx_dot_max_m(plain) == cpu.DOT_MAX_M
+        assert cpu.amx_dot_limits(amx) == (cpu.AMX_DOT_MAX_M, amx.l2_bytes)
+    assert cpu.amx_dot_limits(plain) == (0, 0)
     if CPU.amx_bf16:
         variants = [gemm_spec("bfloat16", m, 768, 768, "nk").variant for m in (3, 128, 129)]
+        assert variants == ["dot", "dot", "gemm"]
+        long_k = CPU.l2_bytes // (2 * 64)  # x of 64 rows fills the L2
+        variants = [gemm_spec("bfloat16", m, 768, long_k, "nk").variant for m in (32, 64, 65)]
         assert variants == ["dot", "dot", "gemm"]
         assert gemm_spec("bfloat16", 64, 768, 767, "nk").variant == "gemm"  # an odd K
         assert gemm_spec("bfloat16", 64, 768, 768, "nk", static_k=False).variant == "gemm"
@@ -122,6 +125,28 @@ def test_dot_kernel_any_m():
         out = torch.empty(m, 512, dtype=BF16)
         kernel(x, w, b, out)
         assert_close(out, reference(x, w, b, "none"), 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("m, n", [(161, 100), (40, 512)], ids=["partial-blocks", "4-panels-a-task"])
+def test_k_blocked_on_tiles(m, n):
+    """A Linear whose panels of pairs outgrow half the L2 runs over blocks of K: three blocks
+    (the last of 2 steps), sums kept across them, the epilogue once at the end; a partial
+    last block of A (copied per K block) and a partial last panel."""
+    k = 2 * cpu_amx.K_BLOCK_STEPS * cpu_amx.K_STEP + 64
+    spec = gemm_spec("bfloat16", m, n, k, "nk", bias=True, activation="gelu")
+    if not cpu_amx._k_blocked(spec):
+        pytest.skip("this CPU's L2 holds the panels of this K")
+    x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)
+    if spec.variant == "dot":  # (M = 40: the packed kernel itself)
+        from torch_tvm_gemm.runtime.table import get_kernel
+
+        kernel = get_kernel(dataclasses.replace(spec, variant="gemm"))
+        out = torch.empty(m, n, dtype=BF16)
+        kernel(x, w, b, out)
+    else:
+        out = tg.linear(x, w, b, "gelu")
+    assert_close(out, reference(x, w, b, "gelu"), k)
 
 
 @needs_amx

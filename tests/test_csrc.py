@@ -274,6 +274,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     ms += [cpu.SWAP_MIN_M - 1, cpu.SWAP_MIN_M, 63, 65, cpu.SWAP_MAX_M, cpu.SWAP_MAX_M + 1, 120]
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
     nks += [(64, cpu.swap_max_k()), (64, cpu.swap_max_k() + 1)]
+    nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     kinds = [("float32", True), ("float32", False), ("float64", True), ("bfloat16", True)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
     try:

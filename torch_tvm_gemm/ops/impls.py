@@ -132,7 +132,7 @@ def use_impl(path: str) -> str:
                 cpu_schedules.swap_max_k(),
             ],
             huge_output_bytes=huge_pages.huge_output_bytes(),
-            amx_dot_max_m=cpu_schedules.amx_dot_max_m(),
+            amx_dot=list(cpu_schedules.amx_dot_limits()),
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

@@ -32,7 +32,7 @@ A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chu
 (``kernels/gemm_kblocked.py``).
 
 bfloat16 on a CPU with AMX tiles: the "gemm" and "dot" variants run ``cpu_amx.py`` instead,
-its "dot" up to AMX_DOT_MAX_M rows.
+its "dot" up to AMX_DOT_MAX_M rows (``amx_dot_limits``).
 """
 
 from __future__ import annotations
@@ -72,19 +72,21 @@ SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulato
 
 
 # bfloat16 on AMX tiles: the "dot" variant (cpu_amx.py: the weight's rows loaded as tiles in
-# place, x packed) up to AMX_DOT_MAX_M rows, where the packed kernel packs the whole weight for
-# a few blocks of x. Measured (kernels alone, 2 threads, Intel Xeon, against F.linear): dot /
-# packed at M = 64: 1.96x / 1.45x (N=768 K=3072), 1.82x / 0.88x (4096 x 4096); M = 128: 1.60x /
-# 1.40x, 1.42x / 0.90x; M = 192 even (1.42x / 1.41x, 1.10x / 0.90x); from M = 256 the packed
-# kernel is ahead (0.88-0.93x / 0.94-0.98x, at 512: 0.66-0.96x / 1.05-1.12x).
+# place, x packed) up to AMX_DOT_MAX_M rows while x (M x K bf16) fits in the L2, where the
+# packed kernel packs the whole weight for a few blocks of x. Measured (kernels alone, 2
+# threads, Intel Xeon, against F.linear), dot / packed: M = 64: 1.96x / 1.45x (N=768 K=3072),
+# 1.82x / 0.88x (4096 x 4096); M = 128: 1.60x / 1.40x, 1.42x / 0.90x; from M = 256 the packed
+# kernel is ahead (0.88-0.93x / 0.94-0.98x). With a long K x outgrows the L2 sooner: N=4096
+# K=11008 at M = 64 1.08x / 0.99x, 96 0.92x / 0.96x, 128 0.86x / 1.01x; K = 8192 at M = 128
+# 0.93x / 0.88x (x: 1.4, 2.1, 2.8, 2 MB).
 AMX_DOT_MAX_M = 128
 
 
-def amx_dot_max_m(cpu: CpuInfo | None = None) -> int:
-    """The largest M of the bf16 "dot" variant on this CPU (ops/impls.py hands it to csrc/
-    too): AMX_DOT_MAX_M with AMX tiles, else DOT_MAX_M, as for every dtype."""
+def amx_dot_limits(cpu: CpuInfo | None = None) -> tuple[int, int]:
+    """(largest M, largest M x K x 2 bytes of x) of the bf16 "dot" variant past DOT_MAX_M
+    on this CPU, (0, 0) without AMX tiles (ops/impls.py hands them to csrc/ too)."""
     cpu = cpu or host_cpu()
-    return AMX_DOT_MAX_M if cpu.amx_bf16 else DOT_MAX_M
+    return (AMX_DOT_MAX_M, cpu.l2_bytes) if cpu.amx_bf16 else (0, 0)
 
 
 def swap_max_k(cpu: CpuInfo | None = None) -> int:
@@ -111,11 +113,16 @@ def gemm_variant(
     if nk and 2 <= m <= DOT_MAX_M:
         return "dot2" if m <= DOT2_MAX_M else "dot"
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
-    if nk and dtype == "bfloat16" and static_k and k % 2 == 0 and 2 <= m <= amx_dot_max_m():
+    if nk and dtype == "bfloat16" and static_k and k % 2 == 0 and _amx_dot_fits(m, k):
         return "dot"
     if nk and dtype == "float32" and static_k and _swap_fits(m, k):
         return "swap"
     return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
+
+
+def _amx_dot_fits(m: int, k: int) -> bool:
+    max_m, max_x_bytes = amx_dot_limits()
+    return 2 <= m <= max_m and m * k * 2 <= max_x_bytes
 
 
 def _swap_fits(m: int, k: int) -> bool:

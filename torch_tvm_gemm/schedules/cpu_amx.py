@@ -38,7 +38,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 7
+SCHEDULE_VERSION = 8
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -133,9 +133,99 @@ def _amx_gemm_func(spec: GemmSpec):
 
                 return tirx.all(block < M // BLOCK, K % K_STEP == 0), in_place
 
-            tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch,
-                      max_group=_max_group(spec))  # fmt: skip
+            if _k_blocked(spec):
+                b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data)
+
+                def fill_steps(a_block, block, first, count):
+                    _copy_a_block(T, tirx, a_words(None), a_block, M, K, block, steps, first,
+                                  count)  # fmt: skip
+
+                tile_gemm_kblocked(T, tirx, M, N, spec.k, b_words, finish, fill_steps,
+                                   lambda block: direct(block)[1])  # fmt: skip
+            else:
+                tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch,
+                          max_group=_max_group(spec))  # fmt: skip
     return ib.get()
+
+
+# The K-blocked tile GEMM (a Linear with a long K): K in blocks of K_BLOCK_STEPS steps (2048
+# values), a task's 4 panels of pairs for one block 512 KiB.
+K_BLOCK_STEPS = 64
+
+
+def _k_blocked(spec: GemmSpec) -> bool:
+    """Whether ``spec`` runs the K-blocked tile GEMM: a 2-D "nk" product with a static K of
+    whole steps whose panels for a task (PANELS_PER_TASK x K x 64 bytes) outgrow half the L2."""
+    from ..target import host_cpu
+
+    if spec.batched or spec.b_layout != "nk" or spec.k is None or spec.k % K_STEP:
+        return False
+    return PANELS_PER_TASK * spec.k * BLOCK * 2 > host_cpu().l2_bytes // 2
+
+
+def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_place_of) -> None:
+    """``tile_gemm`` for a (N, K) weight (``b_words``: its 32-bit pairs) over blocks of K:
+    per task (PANELS_PER_TASK panels) and block of K, the panels' pairs for that block are
+    packed, then every 32-row block of A adds its product into its own 32 x 32 sums per
+    panel (all of the task's sums, M x 32 fp32 a panel, kept in memory); the epilogue runs
+    once, after the last block of K. A block of A is read in place (``in_place_of(block)``
+    gives its ``a_tile(step, half)``) where whole, else its steps of the K block copied (``fill_steps(a_tiles, block, first,
+    count)``). Without the blocking a panel of a K = 11008 weight (704 KB) left room for one
+    panel a task, and A streamed from memory once per panel."""
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    tile_op, tmm = _tile_ops(T, tirx)
+    steps = K // K_STEP
+    panels = -(-N // BLOCK)
+    group = panels_per_task(panels)
+    block_words = K_BLOCK_STEPS * TILE_ROWS * BLOCK  # a panel's pairs for one K block
+    blocks = (M + BLOCK - 1) // BLOCK
+    k_blocks = -(-steps // K_BLOCK_STEPS)
+    chunks = -(-steps // CHUNK_STEPS)
+    chunks_per_k_block = K_BLOCK_STEPS // CHUNK_STEPS
+
+    def row_of(block, r):
+        return block * BLOCK + r, block * BLOCK + r < M
+
+    with T.parallel(i64(0), i64(panels // group)) as task:
+        config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
+        b_pairs = T.alloc_buffer((group * block_words,), "float32", align=64)
+        c_acc = T.alloc_buffer((blocks * group * BLOCK * BLOCK,), "float32", align=64)
+        a_tiles = T.alloc_buffer((K_BLOCK_STEPS * BLOCK * K_STEP,), "uint16", align=64)
+        _load_tile_config(T, tirx, config, tile_op)
+        with T.serial(i64(0), i64(k_blocks)) as kb:
+            first = kb * K_BLOCK_STEPS
+            count = tirx.min(i64(K_BLOCK_STEPS), steps - first)
+            for g in range(group):
+                _pack_nk(T, tirx, b_words, b_pairs, g * block_words, task * group + g, i64(K),
+                         N, steps, first, count)  # fmt: skip
+
+            def copied(step, half):
+                at = (step - first) * (BLOCK * K_STEP) + half * 512
+                return tirx.address_of(a_tiles[at]), i64(64)
+
+            def products(a_tile, block):
+                # (the chunk loop from 0: with its start at the K block's first chunk, the
+                # compiled kernel ran the first block's chunks again, seen with TVM 0.27)
+                n_chunks = tirx.min(i64(chunks_per_k_block), chunks - kb * chunks_per_k_block)
+                with T.serial(i64(0), n_chunks) as c:
+                    chunk = kb * chunks_per_k_block + c
+                    for g in range(group):
+                        _tile_product(T, tirx, tile_op, tmm, a_tile, b_pairs, c_acc,
+                                      (block * group + g) * (BLOCK * BLOCK), steps, chunk,
+                                      g * block_words, first)  # fmt: skip
+
+            with T.serial(i64(0), blocks) as block:
+                with T.If(block < M // BLOCK):
+                    with T.Then():
+                        products(in_place_of(block), block)
+                    with T.Else():
+                        fill_steps(a_tiles, block, first, count)
+                        products(copied, block)
+        with T.serial(i64(0), blocks) as block:
+            for g in range(group):
+                _epilogue(T, tirx, N, c_acc, (block * group + g) * (BLOCK * BLOCK), block,
+                          task * group + g, row_of, finish)  # fmt: skip
+        tile_op("tilerelease")
 
 
 def _max_group(spec: GemmSpec) -> int:
@@ -375,10 +465,12 @@ def panels_per_task(panels: int, batched: bool = False, most: int = PANELS_PER_T
 CHUNK_STEPS = 8
 
 
-def _tile_product(T, tirx, tile_op, tmm, a_tile, b_pairs, c_acc, c_base, steps, chunk, b_base):
+def _tile_product(T, tirx, tile_op, tmm, a_tile, b_pairs, c_acc, c_base, steps, chunk, b_base,
+                  b_first=0):  # fmt: skip
     """Adds the product of one K chunk of a block of A (``a_tile(step, half)``: the address
-    and row stride of its rows 0-15 / 16-31 at a K step) and of one packed panel to the
-    32 x 32 fp32 sums at ``c_acc[c_base]`` (which the first chunk starts from zero)."""
+    and row stride of its rows 0-15 / 16-31 at a K step) and of one packed panel (at
+    ``b_pairs[b_base]``, from K step ``b_first`` on) to the 32 x 32 fp32 sums at
+    ``c_acc[c_base]`` (which the first chunk starts from zero)."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     c_tiles = (0, 16, 16 * BLOCK, 16 * BLOCK + 16)  # the four 16 x 16 quarters
     with T.If(chunk == 0):
@@ -390,7 +482,7 @@ def _tile_product(T, tirx, tile_op, tmm, a_tile, b_pairs, c_acc, c_base, steps, 
                 tile_op("tileloadd64", tmm(t), tirx.address_of(c_acc[c_base + at]), i64(128))
     first = chunk * CHUNK_STEPS
     with T.serial(first, tirx.min(first + CHUNK_STEPS, steps)) as step:
-        b_at = b_base + step * (TILE_ROWS * BLOCK)
+        b_at = b_base + (step - b_first) * (TILE_ROWS * BLOCK)
         # tiles 4, 5: rows 0-15 and 16-31 of A; 6, 7: columns 0-15 and 16-31 of the panel
         tile_op("tileloadd64", tmm(4), *a_tile(step, 0))
         tile_op("tileloadd64", tmm(5), *a_tile(step, 1))
@@ -402,17 +494,19 @@ def _tile_product(T, tirx, tile_op, tmm, a_tile, b_pairs, c_acc, c_base, steps, 
         tile_op("tilestored64", tmm(t), tirx.address_of(c_acc[c_base + at]), i64(128))
 
 
-def _copy_a_block(T, tirx, a_words, a_block, M, K, block, steps):
+def _copy_a_block(T, tirx, a_words, a_block, M, K, block, steps, first=0, count=None):
     """Rows ``block * 32 ...`` of A (M, K) -> ``a_block[step][32 rows][32]``, rows past M
     and columns past K zero (whole 32-value steps vectorized; a partial last step copied
-    element by element, so that no vector load reads past the end of A)."""
+    element by element, so that no vector load reads past the end of A). ``first`` and
+    ``count``: only those K steps, ``a_block`` starting at step ``first``."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     zero = tirx.const(0, "uint16")
     full_steps = K // K_STEP
+    count = steps if count is None else count
     with T.serial(i64(0), i64(BLOCK)) as r:
         row = block * BLOCK + r
-        with T.serial(i64(0), steps) as step:
-            dst = step * (BLOCK * K_STEP) + r * K_STEP
+        with T.serial(first, first + count) as step:
+            dst = (step - first) * (BLOCK * K_STEP) + r * K_STEP
             src = row * K + step * K_STEP
             with T.If(tirx.all(row < M, step < full_steps)):
                 with T.Then():
@@ -447,21 +541,25 @@ def _row(n, N):
     return n if isinstance(N, int) and N % BLOCK == 0 else tirx.min(n, N - 1)
 
 
-def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps):
+def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps, first=None, count=None):
     """A weight (N, K), viewed as (N, K/2) 32-bit pairs, transposed for the panel's 32 rows:
     ``b_pairs[k2 * 32 + n] = pair (W[n, 2 k2], W[n, 2 k2 + 1])``; pairs past K zero.
-    (The words are moved as float32 lanes: shuffles never change the bits.)"""
+    (The words are moved as float32 lanes: shuffles never change the bits.) ``first`` and
+    ``count`` (K a multiple of 32): only those K steps, ``b_pairs[base]`` at step ``first``."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     half_k = K // 2
     whole = half_k // 16  # 16 x 16 blocks of pairs
-    with T.serial(i64(0), whole) as kb:
+    start = i64(0) if first is None else first
+    with T.serial(start, whole if first is None else first + count) as kb:
         for half in range(2):
             n0 = panel * BLOCK + half * 16
             rows = [b_words.vload([_row(n0 + r, N) * half_k + kb * 16], "float32x16")
                     for r in range(16)]  # fmt: skip
             for c, column in enumerate(_transpose16(tirx, rows)):
-                at = base + (kb * 16 + c) * BLOCK + half * 16
+                at = base + ((kb - start) * 16 + c) * BLOCK + half * 16
                 T.buffer_store(b_pairs, column, [tirx.Ramp(at, i64(1), 16)])
+    if first is not None:
+        return
     # The pairs past the last whole block (K not a multiple of 32) and the zero padding.
     with T.serial(whole * 16, steps * TILE_ROWS) as k2:
         with T.serial(i64(0), i64(BLOCK)) as n:
