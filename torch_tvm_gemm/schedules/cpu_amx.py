@@ -205,7 +205,8 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
 
             def products(a_tile, block):
                 # (the chunk loop from 0: with its start at the K block's first chunk, the
-                # compiled kernel ran the first block's chunks again, seen with TVM 0.27)
+                # TIR read right but the compiled kernel's sums were wrong from the second K
+                # block on, TVM 0.27)
                 n_chunks = tirx.min(i64(chunks_per_k_block), chunks - kb * chunks_per_k_block)
                 with T.serial(i64(0), n_chunks) as c:
                     chunk = kb * chunks_per_k_block + c
@@ -229,11 +230,11 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
 
 
 def _max_group(spec: GemmSpec) -> int:
-    """The most panels a task of the packed kernel may hold: their pairs (K x 32 words each)
-    in half the L2. Measured at N=4096 K=11008 (704 KB a panel; kernels alone, 2 threads,
-    against F.linear, M = 256 / 512 / 2048): 4 panels a task 0.63x / 0.63x / 0.56x, 2: 0.75x /
-    0.75x / 0.73x, 1: 0.75x / 0.79x / 0.80x. (A K this long still streams each block of A from
-    memory once per task: K blocking is what would close the rest.)"""
+    """The most panels a task of the one-pass packed kernel may hold (a long K that is not
+    K-blocked: a (K, N) B, or K not whole steps): their pairs (K x 32 words each) in half the
+    L2. Measured at N=4096 K=11008 (704 KB a panel; kernels alone, 2 threads, against
+    F.linear, M = 256 / 512 / 2048): 4 panels a task 0.63x / 0.63x / 0.56x, 2: 0.75x / 0.75x /
+    0.73x, 1: 0.75x / 0.79x / 0.80x; the K-blocked kernel (tile_gemm_kblocked) 1.05-1.16x."""
     from ..target import host_cpu
 
     if spec.k is None:
