@@ -71,6 +71,18 @@ def schedule_gemm_amx(spec: GemmSpec):
     return tvm.IRModule({"main": func})
 
 
+def kernel_args(T, inputs, bias: bool) -> list:
+    """Inside ``T.prim_func()``: the kernel's name ("main") and attributes, and the handles
+    of its arguments: ``inputs``, the bias if there is one, and "out"."""
+    T.func_name("main")
+    T.func_attr({"tir.noalias": True})
+    handles = [T.arg(name, T.handle()) for name in inputs]
+    if bias:
+        handles.append(T.arg("bias", T.handle()))
+    handles.append(T.arg("out", T.handle()))
+    return handles
+
+
 def _tile_ops(T, tirx):
     """(tile_op(name, *args): one AMX intrinsic call, tmm(t): tile register t as an immediate)."""
 
@@ -92,17 +104,12 @@ def _amx_gemm_func(spec: GemmSpec):
     N = spec.n
     with IRBuilder() as ib:
         with T.prim_func():
-            T.func_name("main")
-            T.func_attr({"tir.noalias": True})
+            handles = kernel_args(T, ("A", "B"), spec.bias)
             M = tirx.Var("M", "int64")
             K = tirx.const(spec.k, "int64") if spec.k is not None else tirx.Var("K", "int64")
             # batched: A (batch, M, K), B (batch, N, K) or (batch, K, N), out (batch, M, N)
             batch = tirx.Var("batch", "int64") if spec.batched else None
             lead = (batch,) if spec.batched else ()
-            handles = [T.arg(name, T.handle()) for name in ("A", "B")]
-            if spec.bias:
-                handles.append(T.arg("bias", T.handle()))
-            handles.append(T.arg("out", T.handle()))
             A = T.match_buffer(handles[0], (*lead, M, K), "bfloat16")
             B = T.match_buffer(handles[1], (*lead, *((N, K) if nk else (K, N))), "bfloat16")
             bias_len = M if spec.bias_axis == "m" else N  # per row: a 1x1 conv as W @ X
@@ -265,13 +272,8 @@ def _amx_dot_func(spec: GemmSpec):
     tile_op, tmm = _tile_ops(T, tirx)
     with IRBuilder() as ib:
         with T.prim_func():
-            T.func_name("main")
-            T.func_attr({"tir.noalias": True})
+            handles = kernel_args(T, ("A", "B"), spec.bias)
             M = tirx.Var("M", "int64")
-            handles = [T.arg(name, T.handle()) for name in ("A", "B")]
-            if spec.bias:
-                handles.append(T.arg("bias", T.handle()))
-            handles.append(T.arg("out", T.handle()))
             A = T.match_buffer(handles[0], (M, i64(K)), "bfloat16")
             B = T.match_buffer(handles[1], (i64(N), i64(K)), "bfloat16")
             bias = T.match_buffer(handles[2], (i64(N),), "bfloat16") if spec.bias else None

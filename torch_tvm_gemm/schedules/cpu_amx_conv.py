@@ -87,13 +87,8 @@ def _amx_conv_func(spec: Conv2dSpec):
         H, W = H + top + bottom, W + left + right
     with IRBuilder() as ib:
         with T.prim_func():
-            T.func_name("main")
-            T.func_attr({"tir.noalias": True})
+            handles = cpu_amx.kernel_args(T, ("x", "weight"), spec.bias)
             batch = tirx.Var("batch", "int64")
-            handles = [T.arg(name, T.handle()) for name in ("x", "weight")]
-            if spec.bias:
-                handles.append(T.arg("bias", T.handle()))
-            handles.append(T.arg("out", T.handle()))
             x = T.match_buffer(handles[0], (batch, H, W, C), "bfloat16")
             weight = T.match_buffer(handles[1], (N, K), "bfloat16")
             bias = T.match_buffer(handles[2], (N,), "bfloat16") if spec.bias else None
