@@ -14,7 +14,9 @@ from torch_tvm_gemm import _ext, ops
 from torch_tvm_gemm.runtime import huge_pages
 
 pytestmark = pytest.mark.skipif(
-    huge_pages.huge_output_bytes() == 0 or not os.path.exists("/proc/self/smaps"),
+    huge_pages.huge_output_bytes() == 0
+    or not os.path.exists("/proc/self/smaps")
+    or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),  # a kernel without THP
     reason="no madvise(MADV_HUGEPAGE) here",
 )
 EXT = _ext.load()
