@@ -23,6 +23,11 @@ columns of B:
 3. the epilogue adds the bias, applies the activation and casts, for the block's real
    outputs.
 
+A Linear weight whose panels outgrow half the L2 (a long K) runs the same steps over blocks
+of K (``tile_gemm_kblocked``); a Linear at a few dozen rows runs the product transposed, the
+weight's rows as A tiles in place and x packed instead (``_amx_dot_func``, the "dot"
+variant).
+
 Measured on a 2-core Sapphire Rapids (one thread, loaded machine): 0.6-1.1 TFLOPS, against
 oneDNN's bf16 linear (also AMX) at 0.9-1.3 (0.8-1.0x at M >= 128). The weight's pack is the
 price of never caching it (see README): ~0.25 ns per pair, at M = 128, N = K = 768 about
@@ -45,10 +50,11 @@ BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
 K_STEP = 32  # bf16 values of K per tdpbf16ps
 
 
-# The variants that run here: the packed one and "dot" (M = 3..32, a Linear: measured at
-# N = K = 768, one thread, against F.linear: M = 8 0.93x on tiles, 0.75x as dot products; 32:
+# The variants that run here: the packed one ("gemm") and "dot" (M = 3 to AMX_DOT_MAX_M in
+# schedules/cpu.py, a Linear: the transposed product; the tiles were ahead of the fp32 dot
+# kernel from the start, N = K = 768 on one thread: M = 8 0.93x against 0.75x F.linear, 32:
 # 1.03x against 0.23x). "dot2" (M = 2, 2.4x) and "gemv" (M = 1) stay: they read the weight
-# once, where the tiles would pack it for one or two rows.
+# once.
 VARIANTS = ("gemm", "dot")
 
 
