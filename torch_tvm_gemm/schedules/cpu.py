@@ -42,7 +42,7 @@ from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
 from . import cpu_amx
 
-SCHEDULE_VERSION = 12  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 13  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -56,9 +56,14 @@ DOT_MAX_M = 32
 DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 registers
 # Up to DOT2_MAX_M rows the "dot2" variant: the dot kernel with a 2-row tile (the 4-row one
 # computes 4 rows for 2; measured at M=2, 768x768, 2 threads: 1.06x torch against 0.72x; at
-# M=4 and 8 the 4-row tile is ahead, 1.18-1.21x against 1.07-1.08x).
+# M=4 and 8 the 4-row tile is ahead, 1.18-1.21x against 1.07-1.08x). 10 rows of the weight
+# at a time: where the weight streams from memory, more rows in flight read it faster
+# (kernels alone, 2 threads, quiet Intel Xeon, two runs, 2 x 8 -> 2 x 10 against F.linear:
+# N=11008 K=4096 0.93-0.94x -> 0.98-1.00x, N=4096 K=11008 0.95x -> 1.02-1.07x, 4096 x 4096
+# 0.99-1.01x -> 1.01-1.02x; 768 x 3072, 3072 x 768, 768 x 768 within 1% either way; 2 x 12:
+# 0.91x at 768 x 768).
 DOT2_MAX_M = 2
-DOT2_TILE = (2, 8)
+DOT2_TILE = (2, 10)
 # The "swap" variant: M in [SWAP_MIN_M, SWAP_MAX_M], at most SWAP_SLACK rows short of whole
 # panels of SWAP_PANEL rows, K at most swap_max_k (a panel of x, K x 64 floats, in half the L2,
 # as for the packed kernel's panel of B). Measured through the op (bench-inference, 2 threads,
