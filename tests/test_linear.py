@@ -75,6 +75,33 @@ def test_linear_every_m_range(m, k, n):
     assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
 
 
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+@pytest.mark.parametrize("k,n", [(333, 777), (48, 100)])
+def test_linear_kn_weight_gemv(m, k, n):
+    # A weight stored (in, out) (transformers' Conv1D) at M <= 16 takes the "kn" gemv: N
+    # split into several tasks (777: three of 288 columns, the last one padded), K off its
+    # 16-value unroll (333) or on it (48, a weight small enough for one thread).
+    from torch_tvm_gemm.runtime import table
+
+    x, w, b = randn(m, k), randn(k, n), randn(n)
+    table.clear_table()
+    out = tg.linear(x, w.t(), b, "gelu")
+    assert [(s.variant, s.b_layout) for s in table._table] == [("gemv", "kn")]
+    assert_close(out, reference(x, w.t(), b, "gelu"), k)
+
+
+def test_linear_gemv_odd_n():
+    # M = 1 with N off the gemv's 4-output groups, on a weight big enough for both threads
+    # (as GPT-2's lm_head, N = 50257): the padded outputs are computed, never stored.
+    from torch_tvm_gemm.runtime import table
+
+    x, w, b = randn(1, 512), randn(301, 512), randn(301)
+    table.clear_table()
+    out = tg.linear(x, w, b, "relu")
+    assert [(s.variant, s.b_layout) for s in table._table] == [("gemv", "nk")]
+    assert_close(out, reference(x, w, b, "relu"), 512)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_linear_two_rows(dtype, act):
