@@ -159,7 +159,10 @@ def test_bench_models_cli_runs(tmp_path):
 
     out = tmp_path / "models.json"
     argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
+    argv += ["--decode", "2"]
     assert main([*argv, "--reps", "1", "--rounds", "1", "--json", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["converted_layers"] == row["found_layers"] == 7
-    assert row["max_rel_err"] < 1e-4
+    prefill, decode = json.loads(out.read_text())["rows"]
+    assert (prefill["phase"], decode["phase"], decode["decode_steps"]) == ("prefill", "decode", 2)
+    for row in (prefill, decode):
+        assert row["converted_layers"] == row["found_layers"] == 7
+        assert row["max_rel_err"] < 1e-4 and row["converted_s"] > 0

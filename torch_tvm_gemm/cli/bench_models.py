@@ -5,7 +5,9 @@ BERT-style encoder, GPT-2, a LLaMA-style decoder stack, ResNet-50 (``ResNetModel
 MobileNetV2. For each model, dtype and batch size: eager time, converted time (same run,
 alternating rounds, best of each), their ratio (above 1: converted faster), layers on TVM
 ops / found, max error vs eager relative to the output's largest value, and the first call
-after ``convert`` (kernel builds or cache loads included). Needs ``pip install
+after ``convert`` (kernel builds or cache loads included). With ``--decode STEPS`` the decoder
+models (GPT-2, LLaMA) also get a "decode" row: seconds per generated token on a KV cache
+after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. Needs ``pip install
 torch_tvm_gemm[models]`` (transformers).
 """
 
@@ -17,6 +19,7 @@ import math
 import time
 
 MODELS = ("bert", "gpt2", "llama", "resnet50", "mobilenet")
+DECODERS = ("gpt2", "llama")  # the models with a KV cache
 
 
 def register(sub) -> None:
@@ -34,6 +37,13 @@ def register(sub) -> None:
         "--compile",
         action="store_true",
         help="also time torch.compile(original) and torch.compile(converted)",
+    )
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also time STEPS one-token calls on a KV cache (GPT-2, LLaMA): per token",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart of the ratios (matplotlib)")
@@ -82,6 +92,27 @@ def first_tensor(output):
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
+def decode(model, inputs: dict, steps: int):
+    """(seconds per token, last output) of ``steps`` one-token calls on the KV cache of a
+    prefill of ``inputs`` (not timed). Each step feeds the prompt's last token again: the
+    work of greedy decoding, the same tokens for both models whatever random weights pick."""
+    import torch
+
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        token = ids[:, -1:]
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+        return (time.perf_counter() - start) / steps, first_tensor(out)
+
+
+def rel_err(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 def run(args) -> int:
     import torch
 
@@ -101,7 +132,7 @@ def run(args) -> int:
     torch.manual_seed(0)
     rows = []
     header = (
-        f"{'model':<10} {'dtype':<9} {'batch':>5} {'eager ms':>9} {'conv ms':>9} {'ratio':>6} "
+        f"{'model':<12} {'dtype':<9} {'batch':>5} {'eager ms':>9} {'conv ms':>9} {'ratio':>6} "
         f"{'layers':>9} {'max err':>8} {'1st call s':>10}"
     )
     print(f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster)")
@@ -127,7 +158,7 @@ def run(args) -> int:
                     call_s = time.perf_counter() - start
                     first_call = call_s if first_call is None else first_call
                     want = first_tensor(eager(**inputs))
-                    err = ((got - want).abs().max() / want.abs().max()).item()
+                    err = rel_err(got, want)
                     t_conv, t_eager = compare(
                         lambda i=inputs, m=converted: m(**i),
                         lambda i=inputs, m=eager: m(**i),
@@ -144,6 +175,7 @@ def run(args) -> int:
                         )
                 row = {
                     "model": name,
+                    "phase": "prefill",
                     "dtype": dtype_name,
                     "batch": batch,
                     "eager_s": t_eager,
@@ -162,11 +194,13 @@ def run(args) -> int:
                     compiled = f" {t_c_eager * 1e3:10.2f} {t_c_conv * 1e3:10.2f}"
                 rows.append(row)
                 print(
-                    f"{name:<10} {dtype_name:<9} {batch:>5} {t_eager * 1e3:9.2f} "
+                    f"{name:<12} {dtype_name:<9} {batch:>5} {t_eager * 1e3:9.2f} "
                     f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} "
                     f"{f'{summary.converted()}/{summary.found()}':>9} {err:8.1e} {call_s:10.2f}"
                     + compiled
                 )
+                if args.decode and name in DECODERS:
+                    rows.append(decode_row(eager, converted, inputs, args, row))
     ratios = [r["ratio"] for r in rows]
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
     print(f"geometric mean ratio {geomean:.2f}, min {min(ratios, default=float('nan')):.2f}")
@@ -180,6 +214,38 @@ def run(args) -> int:
     return 0
 
 
+def decode_row(eager, converted, inputs: dict, args, prefill: dict) -> dict:
+    """The "decode" row of one (model, dtype, batch): eager and converted per token, timed in
+    alternating rounds (a fresh prefill each, not timed), best of each; printed."""
+    from ..measure import time_interleaved
+
+    steps = args.decode
+    t_conv, t_eager = time_interleaved(
+        [lambda: decode(converted, inputs, steps)[0], lambda: decode(eager, inputs, steps)[0]],
+        args.rounds,
+        sample=lambda fn: fn(),
+    )
+    err = rel_err(decode(converted, inputs, 1)[1], decode(eager, inputs, 1)[1])
+    row = prefill | {
+        "phase": "decode",
+        "decode_steps": steps,
+        "eager_s": t_eager,
+        "converted_s": t_conv,
+        "ratio": t_eager / t_conv,
+        "max_rel_err": err,
+        "first_call_s": None,
+    }
+    for key in ("compiled_eager_s", "compiled_converted_s"):
+        row.pop(key, None)
+    label = f"{row['model']}-decode"
+    layers = f"{row['converted_layers']}/{row['found_layers']}"
+    print(
+        f"{label:<12} {row['dtype']:<9} {row['batch']:>5} {t_eager * 1e3:9.2f} "
+        f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} {layers:>9} {err:8.1e}"
+    )
+    return row
+
+
 def plot(rows: list[dict], path: str, threads: int) -> None:
     """One bar per (model, dtype, batch): eager time / converted time, 1.0 as a line."""
     import matplotlib
@@ -188,7 +254,10 @@ def plot(rows: list[dict], path: str, threads: int) -> None:
     import matplotlib.pyplot as plt
 
     short = {"float32": "fp32", "bfloat16": "bf16"}
-    labels = [f"{r['model']}\n{short[r['dtype']]} b{r['batch']}" for r in rows]
+    labels = [
+        f"{r['model']}{'-dec' if r['phase'] == 'decode' else ''}\n{short[r['dtype']]} b{r['batch']}"
+        for r in rows
+    ]
     ratios = [r["ratio"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
     ax.bar(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
