@@ -81,10 +81,11 @@ def test_batched_matmul_one_panel_wide(dtype, n):
     assert_close(tg.matmul(p, v), torch.matmul(p.double(), v.double()), 45)
 
 
-@pytest.mark.parametrize("m", [2, 7, 33])
+@pytest.mark.parametrize("m", [1, 2, 7, 33])
 def test_matmul_by_a_transposed_weight(m):
-    # b = w.T of a contiguous w is read in place as "nk" with a symbolic K: the dot variant
-    # for 2 <= M <= 32 (B of >= 4096 elements), the packed kernel above.
+    # b = w.T of a contiguous w is read in place as "nk" with a symbolic K: the gemv at M = 1
+    # (K = 130 off its 16-wide vectors), the dot variant for 2 <= M <= 32 (B of >= 4096
+    # elements), the packed kernel above.
     a, w = randn(m, 130), randn(40, 130)
     assert_close(tg.matmul(a, w.t()), a @ w.t(), 130)
 

@@ -41,9 +41,9 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx
+from . import cpu_amx, cpu_gemv
 
-SCHEDULE_VERSION = 14  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 15  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -204,6 +204,9 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             span = gemv_kn_span(spec.n, vec)
             sch = s_tir.Schedule(gemm_compute(spec, 1, span))
             _schedule_gemv_kn(sch, spec, span, vec)
+        elif cpu_gemv.applies(spec):
+            tasks = -(-spec.n // GEMV_NK_ROWS)
+            return cpu_gemv.gemv_nk_module(spec, vec, GEMV_NK_ROWS, _gemv_parallel(spec, tasks))
         else:
             sch = s_tir.Schedule(gemm_compute(spec, 1, GEMV_NK_ROWS))
             _schedule_gemv_nk(sch, spec, vec)
