@@ -20,7 +20,10 @@ pytestmark = pytest.mark.skipif(
     reason="no madvise(MADV_HUGEPAGE) here",
 )
 EXT = _ext.load()
-PATHS = [pytest.param("cpp", marks=pytest.mark.skipif(EXT is None, reason="no C++ extension")), "python"]
+PATHS = [
+    pytest.param("cpp", marks=pytest.mark.skipif(EXT is None, reason="no C++ extension")),
+    "python",
+]
 BIG_ROWS = huge_pages.HUGE_OUTPUT_BYTES // (4 * 8192)  # a (rows, 8192) fp32 output at the threshold
 
 

@@ -15,7 +15,7 @@ The modules import ``tvm`` only inside their functions: importing them here is c
 
 from __future__ import annotations
 
-from . import cpu, cpu_amx, cpu_amx_conv, cpu_conv2d, cpu_depthwise, cuda, cuda_conv2d
+from . import cpu, cpu_amx, cpu_amx_conv, cpu_conv2d, cpu_depthwise, cpu_gemv, cuda, cuda_conv2d
 
 _MODULES = {
     ("gemm", "cpu"): cpu,
@@ -40,6 +40,6 @@ def version(family: str, device: str) -> int | tuple[int, ...]:
     if (family, device) == ("conv2d", "cpu"):  # its depthwise and AMX kernels: own modules
         versions = (cpu_conv2d.SCHEDULE_VERSION, cpu_depthwise.SCHEDULE_VERSION)
         return versions + (cpu_amx_conv.SCHEDULE_VERSION,)
-    if (family, device) == ("gemm", "cpu"):  # and its bf16 kernels on AMX tiles theirs
-        return (cpu.SCHEDULE_VERSION, cpu_amx.SCHEDULE_VERSION)
+    if (family, device) == ("gemm", "cpu"):  # its bf16 kernels on AMX tiles, its fp32 gemv
+        return (cpu.SCHEDULE_VERSION, cpu_amx.SCHEDULE_VERSION, cpu_gemv.SCHEDULE_VERSION)
     return module(family, device).SCHEDULE_VERSION

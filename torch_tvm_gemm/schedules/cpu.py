@@ -399,7 +399,8 @@ def gemv_kn_span(n: int, vec: int) -> int:
     GEMV_KN_SPAN, each a whole number of unrolled vectors."""
     step = vec * GEMV_KN_VECTOR_UNROLL
     tasks = -(-n // GEMV_KN_SPAN)
-    return -(-(-(-n // tasks)) // step) * step
+    per_task = -(-n // tasks)
+    return -(-per_task // step) * step
 
 
 def _schedule_gemv_kn(sch, spec: GemmSpec, span: int, vec: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from .cpu_amx import kernel_args
 
+SCHEDULE_VERSION = 1  # bump when the kernel changes: it is part of the CPU GEMM cache key
 PREFETCH_BYTES = 8192  # how far ahead of each row the prefetch reads
 
 
@@ -72,11 +73,10 @@ def gemv_nk_module(spec: GemmSpec, vec: int, rows: int, parallel: bool):
                         k0 = kv * vec
                         for r in range(rows):
                             at = tirx.address_of(flat[row[r] * K + k0 + ahead])
+                            read, keep_in_l1, data = (tirx.const(v, "int32") for v in (0, 3, 1))
+                            prefetch = "llvm.prefetch.p0"
                             T.evaluate(
-                                tirx.call_llvm_intrin("void", "llvm.prefetch.p0", at,
-                                                      tirx.const(0, "int32"),
-                                                      tirx.const(3, "int32"),
-                                                      tirx.const(1, "int32"))  # fmt: skip
+                                tirx.call_llvm_intrin("void", prefetch, at, read, keep_in_l1, data)
                             )
                         for r in range(rows):
                             with T.vectorized(i64(0), i64(vec)) as lane:
