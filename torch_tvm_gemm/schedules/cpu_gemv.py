@@ -1,16 +1,18 @@
-"""The float32 "gemv" kernel for a Linear weight (layout "nk"), written as TIR directly.
+"""The float32 "gemv" kernel for a Linear weight (layout "nk") with short rows, as TIR.
 
 At M = 1 (a decoding step at batch 1) the product is a read of the weight: a few outputs at
 a time, each a dot product along K in one vector of partial sums, the weight's rows read in
-place. The scheduled version of the same loops (``cpu.py``) streamed the weight from memory
-at 80-93% of MKL's rate; what it lacked is a software prefetch, which a TE compute cannot
-carry (no side effects), hence this hand-written loop nest: per VEC values of K, one
+place. The scheduled version of the same loops (``cpu.py``) streamed a weight from memory at
+80-93% of MKL's rate; what it lacked is a software prefetch, which a TE compute cannot carry
+(no side effects), hence this hand-written loop nest: per VEC values of K, one
 ``prefetcht0`` PREFETCH_BYTES ahead of each of the rows in flight. Measured through the op
-(2 threads, Intel Xeon, weights cycling through 256 MB, against F.linear), without -> with
-the prefetch: 512 x 512 0.81x -> 0.95x, 1376 x 512 0.84x -> 0.97x, 3072 x 768 0.83x ->
-0.89x, 50257 x 768 (GPT-2's lm_head) 0.75x -> 0.97x; 768 x 3072, 4096 x 4096 and 4096 x
-11008 within the noise (0.87-0.96x either way). Kernels alone, 1 KB and 4 KB ahead gained
-less than 8 KB.
+(2 threads, Intel Xeon, against F.linear), scheduled -> this kernel: weights cycling through
+256 MB (as in a model, where each weight comes from memory once per token): 512 x 512
+0.81x -> 0.95x, 1376 x 512 0.84x -> 0.97x, 3072 x 768 0.83x -> 0.89x, 50257 x 768 (GPT-2's
+lm_head) 0.75x -> 0.97x; one weight called again and again (kept in cache): 768 x 768
+1.37x -> 1.07x, 3072 x 768 1.16x -> 1.04x, and with rows of 4096 values or more it lost
+both ways (4096 x 4096 1.00x -> 0.90x in cache, 0.89x -> 0.87x from memory). So it takes
+rows of at most PREFETCH_MAX_K values, with a static K; the rest keep the scheduled kernel.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from .cpu_amx import kernel_args
 
-SCHEDULE_VERSION = 1  # bump when the kernel changes: it is part of the CPU GEMM cache key
+SCHEDULE_VERSION = 2  # bump when the kernel changes: it is part of the CPU GEMM cache key
 PREFETCH_BYTES = 8192  # how far ahead of each row the prefetch reads
+PREFETCH_MAX_K = 2048  # the longest rows (8 KB of float32) it takes
 
 
 def applies(spec: GemmSpec) -> bool:
-    """Whether ``spec`` runs this kernel: the float32 CPU gemv of a (N, K) weight."""
+    """Whether ``spec`` runs this kernel: the float32 CPU gemv of a (N, K) weight, K static
+    and at most PREFETCH_MAX_K."""
     return (
         spec.variant == "gemv"
         and spec.b_layout == "nk"
@@ -31,6 +35,8 @@ def applies(spec: GemmSpec) -> bool:
         and spec.device == "cpu"
         and spec.bias_axis == "n"
         and not spec.batched
+        and spec.k is not None
+        and spec.k <= PREFETCH_MAX_K
     )
 
 
@@ -51,7 +57,7 @@ def gemv_nk_module(spec: GemmSpec, vec: int, rows: int, parallel: bool):
         with T.prim_func():
             handles = kernel_args(T, ("A", "B"), spec.bias)
             M = tirx.Var("M", "int64")
-            K = i64(spec.k) if spec.k is not None else tirx.Var("K", "int64")
+            K = i64(spec.k)
             A = T.match_buffer(handles[0], (M, K), "float32")
             B = T.match_buffer(handles[1], (i64(N), K), "float32")
             bias = T.match_buffer(handles[2], (i64(N),), "float32") if spec.bias else None
