@@ -52,7 +52,8 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Configuration handed over by ops/impls.py at registration, so that the constants have one home
-// (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, DOT_MAX_M and DOT2_MAX_M, kernels/gemm.py ACTIVATIONS,
+// (schedules/cpu.py GEMV_MAX_M, GEMV_MIN_B_ELEMENTS, DOT_MAX_M, DOT2_MAX_M, SWAP_* and KSPLIT_*,
+// kernels/gemm.py ACTIVATIONS,
 // ops/checks.py SUPPORTED_DTYPES, ops/gemm_ops.py KERNEL_ALIGNMENT).
 
 struct DtypeInfo {
@@ -85,6 +86,11 @@ struct Config {
   struct {
     int64_t min_m = 0, max_m = 0, panel = 1, slack = 0, max_k = 0;
   } swap;
+  // "ksplit" (float32 "kn", static K): M in [1, max_m], N >= min_n and a multiple of
+  // n_multiple (schedules/cpu.py KSPLIT_*); max_m 0: never.
+  struct {
+    int64_t max_m = 0, min_n = 0, n_multiple = 1;
+  } ksplit;
   std::vector<std::string> activations;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
@@ -165,7 +171,7 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 5> kVariants{{"gemm", "gemv", "dot", "dot2", "swap"}};
+constexpr std::array<const char*, 6> kVariants{{"gemm", "gemv", "dot", "dot2", "swap", "ksplit"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
@@ -183,6 +189,11 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
       (swap.panel - m % swap.panel) % swap.panel <= swap.slack && k <= swap.max_k) {
     return 4;
+  }
+  const auto& ksplit = g_config.ksplit;
+  if (!b_nk && big_b && fp32 && static_k && m >= 1 && m <= ksplit.max_m && n >= ksplit.min_n &&
+      n % ksplit.n_multiple == 0) {
+    return 5;
   }
   return m <= g_config.gemv_max_m && big_b ? 1 : 0;
 }
@@ -580,7 +591,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
                     bool autograd_fast_path, int64_t huge_output_bytes,
-                    const std::vector<int64_t>& amx_dot) {
+                    const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -597,6 +608,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(swap.empty() || (swap.size() == 5 && swap[2] > 0),
               "tvm_gemm: swap must be (min_m, max_m, panel, slack, max_k)");
   if (!swap.empty()) config.swap = {swap[0], swap[1], swap[2], swap[3], swap[4]};
+  TORCH_CHECK(ksplit.empty() || (ksplit.size() == 3 && ksplit[2] > 0),
+              "tvm_gemm: ksplit must be (max_m, min_n, n_multiple)");
+  if (!ksplit.empty()) config.ksplit = {ksplit[0], ksplit[1], ksplit[2]};
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -661,6 +675,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
         py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
         py::arg("huge_output_bytes") = 0, py::arg("amx_dot") = std::vector<int64_t>{},
+        py::arg("ksplit") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

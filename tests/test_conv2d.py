@@ -50,8 +50,9 @@ def test_matches_torch(case, dtype):
 
 # 1x1 convs that run as a GEMM per image (schedules/cpu_conv2d.pointwise_as_gemm): C <= 64 and
 # at least 1024 pixels. 3 channels x 33x33 pixels puts image 1 at a 13068-byte offset, off the
-# kernels' 64-byte alignment; K=5 is not a multiple of the 6-row register tile.
-POINTWISE = [(2, 3, 33, 33, 5), (1, 64, 32, 40, 70), (3, 16, 36, 30, 24)]
+# kernels' 64-byte alignment; K=5 is not a multiple of the 6-row register tile. 3 output
+# channels of 1056 pixels take the "ksplit" kernel (a bias per row of its A, the weight).
+POINTWISE = [(2, 3, 33, 33, 5), (1, 64, 32, 40, 70), (3, 16, 36, 30, 24), (2, 16, 32, 33, 3)]
 
 
 @pytest.mark.parametrize("case", POINTWISE, ids=lambda c: "n{}c{}{}x{}k{}".format(*c))

@@ -275,6 +275,8 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
     nks += [(64, cpu.swap_max_k()), (64, cpu.swap_max_k() + 1)]
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
+    nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]
+    ms += [cpu.KSPLIT_MAX_M, cpu.KSPLIT_MAX_M + 1]
     kinds = [("float32", True), ("float32", False), ("float64", True), ("bfloat16", True)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
     try:
@@ -297,6 +299,11 @@ def test_cpp_table_key_follows_gemm_spec_variant():
         "swap",
         "gemm",
     }  # the sweep reaches every variant
+    assert {ops.gemm_spec("float32", m, 1024, 64, "kn").variant for m in ms} == {
+        "ksplit",
+        "gemv",
+        "gemm",
+    }
 
 
 @needs_ext

@@ -90,6 +90,23 @@ def test_linear_kn_weight_gemv(m, k, n):
     assert_close(out, reference(x, w.t(), b, "gelu"), k)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("k,n", [(333, 1024), (48, 1040)])
+def test_linear_kn_weight_ksplit(m, k, n):
+    # The same weight layout at M <= 4 with N >= 1024 takes "ksplit": K split among tasks of
+    # whole rows (333: 11 tasks of 32 rows and one of 13, off the 16-row unroll; 48: three
+    # tasks on one thread), partial sums added up, then bias and activation. M = 5: the gemv.
+    from torch_tvm_gemm.runtime import table
+
+    x, w, b = randn(m, k), randn(k, n), randn(n)
+    table.clear_table()
+    out = tg.linear(x, w.t(), b, "gelu")
+    want = "ksplit" if m <= 4 else "gemv"
+    assert [(s.variant, s.b_layout) for s in table._table] == [(want, "kn")]
+    assert_close(out, reference(x, w.t(), b, "gelu"), k)
+    assert_close(tg.linear(x, w.t()), x @ w, k)  # no bias, no activation: the sums alone
+
+
 def test_linear_gemv_odd_n():
     # M = 1 with N off the gemv's 4-output groups, on a weight big enough for both threads
     # (as GPT-2's lm_head, N = 50257): the padded outputs are computed, never stored.

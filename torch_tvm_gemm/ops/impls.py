@@ -133,6 +133,11 @@ def use_impl(path: str) -> str:
             ],
             huge_output_bytes=huge_pages.huge_output_bytes(),
             amx_dot=list(cpu_schedules.amx_dot_limits()),
+            ksplit=[
+                cpu_schedules.KSPLIT_MAX_M,
+                cpu_schedules.KSPLIT_MIN_N,
+                cpu_schedules.KSPLIT_N_MULTIPLE,
+            ],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

@@ -10,7 +10,8 @@ accumulators in registers (measured: 0.45x torch with the predicate, 1.15x witho
 "gemv" (small M, e.g. batch-1 inference): memory-bound on B, so B is read in place, never
 packed (packing would double the traffic). Layout "nk" (a Linear weight) is a set of dot
 products vectorised along K; layout "kn" streams whole rows of B, each row read once for all
-rows of A (``_schedule_gemv_kn``).
+rows of A (``_schedule_gemv_kn``); at M <= 4 and N >= 1024 the float32 "ksplit" variant splits
+K instead of N among the tasks, each reading whole rows (``cpu_gemv.py``).
 
 "dot" (layout "nk", 2 <= M <= DOT_MAX_M: a Linear at a few tokens): the weight read in place
 too, as dot products along K, register-blocked: a tile of 4 rows of A by 6 rows of the weight
@@ -42,6 +43,7 @@ from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv
+from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
 SCHEDULE_VERSION = 16  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
@@ -113,7 +115,8 @@ def gemm_variant(
     dtype: str = "float32",
     static_k: bool = True,
 ) -> str:
-    """The schedule variant for an (M, N, K) product: "gemv", "dot2", "dot", "swap" or "gemm"."""
+    """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot", "swap"
+    or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
     if nk and 2 <= m <= DOT_MAX_M:
@@ -123,7 +126,14 @@ def gemm_variant(
         return "dot"
     if nk and dtype == "float32" and static_k and _swap_fits(m, k):
         return "swap"
+    kn = device == "cpu" and b_layout == "kn" and big_b
+    if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
+        return "ksplit"
     return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
+
+
+def _ksplit_fits(m: int, n: int) -> bool:
+    return 1 <= m <= KSPLIT_MAX_M and n >= KSPLIT_MIN_N and n % KSPLIT_N_MULTIPLE == 0
 
 
 def _amx_dot_fits(m: int, k: int) -> bool:
@@ -199,6 +209,9 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         rows, tiles = SWAP_TILE
         sch = s_tir.Schedule(gemm_compute(spec, SWAP_PANEL, rows * tiles))
         _schedule_swapped(sch, rows, tiles, vec)
+    elif spec.variant == "ksplit":
+        tasks = -(-spec.k // cpu_gemv.ksplit_rows(spec.k))
+        return cpu_gemv.gemv_kn_ksplit_module(spec, vec, _gemv_parallel(spec, tasks))
     elif spec.variant == "gemv":
         if spec.b_layout == "kn":
             span = gemv_kn_span(spec.n, vec)
