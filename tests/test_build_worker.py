@@ -184,6 +184,55 @@ def test_an_idle_worker_stops_after_the_timeout(tmp_path, fresh_cache, monkeypat
     assert not build_worker.worker_pids(), "the idle worker (and its memory) stayed"
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_build_stops_when_its_caller_dies(tmp_path):
+    # A worker whose caller is killed mid-build removes its half-written library and exits
+    # within a poll or two, rather than compile on for nobody. The stand-in: a process with
+    # the worker's watch armed, "building" (sleeping) for minutes, its caller then killed.
+    half, armed = tmp_path / "half.so", tmp_path / "armed"
+    half.write_bytes(b"half a library")
+    worker = (
+        "import time\n"
+        "from torch_tvm_gemm.compiler.worker import _abandon, _when_orphaned\n"
+        f"_when_orphaned(lambda: _abandon({str(half)!r}))\n"
+        f"open({str(armed)!r}, 'w').close()\n"
+        "time.sleep(600)\n"
+    )
+    caller = (
+        "import subprocess, sys, time\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE, env=env)
+    pid = int(proc.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while not armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert armed.exists() and _running(pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid), "the orphaned worker went on"
+        assert not half.exists()
+    finally:
+        proc.kill()
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow  # a tuning worker imports torch and the compiler: seconds
 def test_a_killed_tuning_worker_is_an_exception_naming_the_kernel(fresh_cache):
     import psutil

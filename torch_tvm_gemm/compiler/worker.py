@@ -3,7 +3,8 @@
 Started by ``runtime/build_worker.py`` as a fresh interpreter. Requests arrive on stdin and replies leave
 on the original stdout, each a length-prefixed pickle; the worker's fd 1 is pointed at its
 stderr, so that whatever the compiler prints can never be mistaken for a reply. The worker
-exits at the end of its input (the caller stopped it or died).
+exits at the end of its input (the caller stopped it or died), and a build or tuning in
+progress stops within ORPHAN_POLL_S of the caller's death.
 
 A build request: ``{"kind": "build", "spec", "path", "arch", "env", "cwd"}``; a tuning
 request: ``{"kind": "tune", "spec", "m", "k", "options", "database", "env", "cwd"}`` (the
@@ -28,6 +29,9 @@ import warnings
 
 from ..runtime.build_worker import SAFE_MODULES
 from ..runtime.worker_pipe import MESSAGE_HEADER, read_exact, write_all
+
+ORPHAN_POLL_S = 1.0  # how often a busy worker checks that its caller is alive
+_caller = os.getppid()  # the caller's pid (``main`` is told it: it may be gone already)
 
 
 def build_to_file(spec, path: str, arch: str | None = None) -> float:
@@ -70,7 +74,11 @@ def serve(request: dict) -> dict:
                 reply["seconds"] = time.perf_counter() - start
             else:
                 spec, path, arch = request["spec"], request["path"], request["arch"]
-                reply["seconds"] = build_to_file(spec, path, arch)
+                done = _when_orphaned(lambda: _abandon(path))
+                try:
+                    reply["seconds"] = build_to_file(spec, path, arch)
+                finally:
+                    done.set()
         except KeyboardInterrupt:  # SIGINT from the caller: tuning stopped between rounds
             reply["interrupted"] = True
         except Exception as err:
@@ -81,20 +89,37 @@ def serve(request: dict) -> dict:
     return reply
 
 
-def _interruptible(run, request: dict):
-    """``run(request)`` with SIGINT raising KeyboardInterrupt (the caller's way to stop a
-    tuning: ``compiler.tune`` then stops after the current round), and SIGINT sent to
-    ourselves if the caller dies meanwhile (nobody would read the result: stop likewise)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
-    caller, done = os.getppid(), threading.Event()
+def _when_orphaned(action) -> threading.Event:
+    """Run ``action`` once if the caller dies (this process is re-parented) before the
+    returned event is set: nobody would read the reply, so the work should stop."""
+    done = threading.Event()
 
     def watch() -> None:
-        while not done.wait(1.0):
-            if os.getppid() != caller:
-                os.kill(os.getpid(), signal.SIGINT)
+        while not done.wait(ORPHAN_POLL_S):
+            if os.getppid() != _caller:
+                action()
                 return
 
     threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
+def _abandon(path: str) -> None:
+    """A build whose caller died (killed, say): remove its half-written library and exit
+    now rather than compile on for nobody (a large kernel takes a core for seconds)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os._exit(1)
+
+
+def _interruptible(run, request: dict):
+    """``run(request)`` with SIGINT raising KeyboardInterrupt (the caller's way to stop a
+    tuning: ``compiler.tune`` then stops after the current round), and SIGINT sent to
+    ourselves if the caller dies meanwhile (stop likewise, keeping what was measured)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
+    done = _when_orphaned(lambda: os.kill(os.getpid(), signal.SIGINT))
     try:
         return run(request)
     finally:
@@ -120,7 +145,10 @@ def _pickled(err: Exception) -> bytes:
         return b""
 
 
-def main() -> None:
+def main(caller: int | None = None) -> None:
+    global _caller
+    if caller is not None:
+        _caller = caller
     replies = os.dup(1)
     os.dup2(2, 1)
     requests = sys.stdin.fileno()

@@ -66,7 +66,7 @@ spec = importlib.util.spec_from_file_location(
     "torch_tvm_gemm", {init!r}, submodule_search_locations=[{package!r}])
 sys.modules["torch_tvm_gemm"] = importlib.util.module_from_spec(spec)
 from torch_tvm_gemm.compiler.worker import main
-main()
+main(caller={caller})
 """
 
 
@@ -74,7 +74,11 @@ def _boot(with_torch: bool = False) -> str:
     init = str(_PACKAGE_DIR / "__init__.py")
     no_torch = "" if with_torch else 'sys.modules["torch"] = None'
     return _BOOT.format(
-        path=list(sys.path), no_torch=no_torch, init=init, package=str(_PACKAGE_DIR)
+        path=list(sys.path),
+        no_torch=no_torch,
+        init=init,
+        package=str(_PACKAGE_DIR),
+        caller=os.getpid(),
     )
 
 
