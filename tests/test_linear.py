@@ -107,6 +107,23 @@ def test_linear_kn_weight_ksplit(m, k, n):
     assert_close(tg.linear(x, w.t()), x @ w, k)  # no bias, no activation: the sums alone
 
 
+def test_ksplit_kernel_refuses_a_larger_m():
+    # Its workspace holds KSPLIT_MAX_M rows of partial sums: called with more (never by the
+    # ops, whose variant rule follows M), the kernel raises instead of writing past it.
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.runtime.table import get_kernel
+    from torch_tvm_gemm.schedules.cpu_gemv import KSPLIT_MAX_M
+
+    kernel = get_kernel(GemmSpec("float32", 1024, 48, "kn", variant="ksplit"))
+    w = randn(48, 1024)
+    x, out = randn(KSPLIT_MAX_M, 48), torch.empty(KSPLIT_MAX_M, 1024)
+    kernel(x, w, out)
+    assert_close(out, x @ w, 48)
+    x, out = randn(KSPLIT_MAX_M + 1, 48), torch.empty(KSPLIT_MAX_M + 1, 1024)
+    with pytest.raises(Exception, match="M > "):
+        kernel(x, w, out)
+
+
 def test_linear_gemv_odd_n():
     # M = 1 with N off the gemv's 4-output groups, on a weight big enough for both threads
     # (as GPT-2's lm_head, N = 50257): the padded outputs are computed, never stored.

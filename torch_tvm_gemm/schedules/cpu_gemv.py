@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from .cpu_amx import kernel_args
 
-SCHEDULE_VERSION = 3  # bump when the kernel changes: it is part of the CPU GEMM cache key
+SCHEDULE_VERSION = 4  # bump when the kernel changes: it is part of the CPU GEMM cache key
 PREFETCH_BYTES = 8192  # how far ahead of each row the prefetch reads
 PREFETCH_MAX_K = 2048  # the longest rows (8 KB of float32) it takes
 
@@ -163,49 +163,52 @@ def gemv_kn_ksplit_module(spec: GemmSpec, vec: int, parallel: bool):
             bias_len = M if row_bias else i64(N)
             bias = T.match_buffer(handles[2], (bias_len,), "float32") if spec.bias else None
             out = T.match_buffer(handles[-1], (M, i64(N)), "float32")
-            # part[t, i, :]: task t's sums for row i of A (rows of A past M never touched)
-            part = T.alloc_buffer((i64(tasks * KSPLIT_MAX_M * N),), "float32")
-            with loop(i64(0), i64(tasks)) as t:
-                first = t * rows
-                count = tirx.min(i64(K) - first, i64(rows))
-                with T.serial(i64(0), M) as i:
-                    with T.serial(i64(0), i64(vectors)) as v:
-                        with T.vectorized(i64(0), i64(vec)) as lane:
-                            at = (t * KSPLIT_MAX_M + i) * N + v * vec + lane
-                            T.buffer_store(part, tirx.const(0, "float32"), [at])
-
-                def accumulate(k0, ks: int) -> None:
-                    # part[t, i, v] += the sum over ks rows from k0 of A[i, k] * B[k, v], for
-                    # all i, v: one expression, each vector of sums loaded and stored once
-                    with T.serial(i64(0), i64(vectors)) as v:
-                        with T.serial(i64(0), M) as i:
+            # (the workspace holds KSPLIT_MAX_M rows: a larger M is refused, never overrun)
+            too_many = f"ksplit kernel called with M > {KSPLIT_MAX_M}"
+            with T.Assert(M <= KSPLIT_MAX_M, too_many):
+                # part[t, i, :]: task t's sums for row i of A (rows of A past M never touched)
+                part = T.alloc_buffer((i64(tasks * KSPLIT_MAX_M * N),), "float32")
+                with loop(i64(0), i64(tasks)) as t:
+                    first = t * rows
+                    count = tirx.min(i64(K) - first, i64(rows))
+                    with T.serial(i64(0), M) as i:
+                        with T.serial(i64(0), i64(vectors)) as v:
                             with T.vectorized(i64(0), i64(vec)) as lane:
                                 at = (t * KSPLIT_MAX_M + i) * N + v * vec + lane
-                                value = part[at]
-                                for u in range(ks):
-                                    value = value + A[i, k0 + u] * B[k0 + u, v * vec + lane]
-                                T.buffer_store(part, value, [at])
+                                T.buffer_store(part, tirx.const(0, "float32"), [at])
 
-                with T.serial(i64(0), count // unroll) as ko:
-                    accumulate(first + ko * unroll, unroll)
-                with T.serial(i64(0), count % unroll) as kr:  # the last task's remainder
-                    accumulate(first + count // unroll * unroll + kr, 1)
-            with loop(i64(0), i64(vectors)) as v:
-                with T.serial(i64(0), M) as i:
-                    with T.vectorized(i64(0), i64(vec)) as lane:
-                        col = v * vec + lane
-                        value = part[i * N + col]
-                        for t in range(1, tasks):
-                            value = value + part[(t * KSPLIT_MAX_M + i) * N + col]
-                        T.buffer_store(out, value, [i, col])
-                    if spec.bias or spec.activation != "none":
-                        # (read back: an activation of the long sum expression itself keeps
-                        # TVM's simplifier busy for minutes)
+                    def accumulate(k0, ks: int) -> None:
+                        # part[t, i, v] += the sum over ks rows from k0 of A[i, k] * B[k, v], for
+                        # all i, v: one expression, each vector of sums loaded and stored once
+                        with T.serial(i64(0), i64(vectors)) as v:
+                            with T.serial(i64(0), M) as i:
+                                with T.vectorized(i64(0), i64(vec)) as lane:
+                                    at = (t * KSPLIT_MAX_M + i) * N + v * vec + lane
+                                    value = part[at]
+                                    for u in range(ks):
+                                        value = value + A[i, k0 + u] * B[k0 + u, v * vec + lane]
+                                    T.buffer_store(part, value, [at])
+
+                    with T.serial(i64(0), count // unroll) as ko:
+                        accumulate(first + ko * unroll, unroll)
+                    with T.serial(i64(0), count % unroll) as kr:  # the last task's remainder
+                        accumulate(first + count // unroll * unroll + kr, 1)
+                with loop(i64(0), i64(vectors)) as v:
+                    with T.serial(i64(0), M) as i:
                         with T.vectorized(i64(0), i64(vec)) as lane:
                             col = v * vec + lane
-                            value = out[i, col]
-                            if spec.bias:
-                                value = value + bias[i if row_bias else col]
-                            value = apply_activation(value, spec.activation, "float32", "cpu")
+                            value = part[i * N + col]
+                            for t in range(1, tasks):
+                                value = value + part[(t * KSPLIT_MAX_M + i) * N + col]
                             T.buffer_store(out, value, [i, col])
+                        if spec.bias or spec.activation != "none":
+                            # (read back: an activation of the long sum expression itself keeps
+                            # TVM's simplifier busy for minutes)
+                            with T.vectorized(i64(0), i64(vec)) as lane:
+                                col = v * vec + lane
+                                value = out[i, col]
+                                if spec.bias:
+                                    value = value + bias[i if row_bias else col]
+                                value = apply_activation(value, spec.activation, "float32", "cpu")
+                                T.buffer_store(out, value, [i, col])
     return tvm.IRModule({"main": ib.get()})
