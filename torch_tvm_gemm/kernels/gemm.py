@@ -135,6 +135,7 @@ def gemm_compute(
     k_pad: int = 1,
     operand_dtype: str | None = None,
     granule: int = 1,
+    padded_epilogue: bool = False,
 ):
     """Return the unscheduled PrimFunc ``main(A, B, [bias,] out)`` for ``spec``.
 
@@ -209,29 +210,34 @@ def gemm_compute(
         name="acc",
     )
 
-    return epilogue_func(spec, A, B, bias, acc_t, M, N)
+    return epilogue_func(spec, A, B, bias, acc_t, M, N, padded_epilogue)
 
 
-def epilogue_func(spec: GemmSpec, A, B, bias, acc_t, M, N):
+def epilogue_func(spec: GemmSpec, A, B, bias, acc_t, M, N, padded: bool = False):
     """The PrimFunc ``main(A, B[, bias], out)`` whose "out" stage takes the sum ``acc_t``
     over the real (M, N) outputs: the bias added and the activation applied once each, then
-    the cast to the output dtype (shared by every 2-D GEMM compute)."""
+    the cast to the output dtype (shared by every 2-D GEMM compute). ``padded``: bias and
+    activation in an "epi" stage over all of ``acc_t`` (the padded rows and columns too, with
+    a clamped bias), so that a schedule can run it on whole tiles, vectorized, without the
+    bounds test that "out", then a plain copy, keeps."""
     from tvm import te
 
     acc = spec.acc_dtype
 
-    def final(i, j):
-        if spec.bias:
-            return acc_t[i, j] + bias[i if spec.bias_axis == "m" else j].astype(acc)
-        return acc_t[i, j]
+    def activated(i, j, clamp: bool):
+        value = acc_t[i, j]
+        if spec.bias:  # (clamp: the padded outputs take the last row's or column's bias)
+            at = i if spec.bias_axis == "m" else j
+            if clamp:
+                at = te.min(at, (M if spec.bias_axis == "m" else N) - 1)
+            value = value + bias[at].astype(acc)
+        return apply_activation(value, spec.activation, acc, spec.device)
 
-    out = te.compute(
-        (M, N),
-        lambda i, j: apply_activation(final(i, j), spec.activation, acc, spec.device).astype(
-            spec.dtype
-        ),
-        name="out",
-    )
+    if padded:
+        epi = te.compute(acc_t.shape, lambda i, j: activated(i, j, True), name="epi")
+        out = te.compute((M, N), lambda i, j: epi[i, j].astype(spec.dtype), name="out")
+    else:
+        out = te.compute((M, N), lambda i, j: activated(i, j, False).astype(spec.dtype), name="out")
     args = [A, B] + ([bias] if spec.bias else []) + [out]
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 

@@ -45,7 +45,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 16  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 17  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -207,7 +207,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         if spec.b_layout != "nk" or spec.dtype != "float32" or spec.k is None:
             raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
         rows, tiles = SWAP_TILE
-        sch = s_tir.Schedule(gemm_compute(spec, SWAP_PANEL, rows * tiles))
+        sch = s_tir.Schedule(gemm_compute(spec, SWAP_PANEL, rows * tiles, padded_epilogue=True))
         _schedule_swapped(sch, rows, tiles, vec)
     elif spec.variant == "ksplit":
         tasks = -(-spec.k // cpu_gemv.ksplit_rows(spec.k))
@@ -275,14 +275,25 @@ def _schedule_swapped(sch, rows: int, tiles: int, vec: int) -> None:
     over all of K (``rows`` broadcasts of the weight, 4 vector loads of the panel, 24 FMAs a
     step). x is packed into panels first, all of it, in parallel, by 16 x 16 transposes."""
     a_pad, acc, out = sch.get_sblock("A_pad"), sch.get_sblock("acc"), sch.get_sblock("out")
+    epi = sch.get_sblock("epi")
     sch.compute_inline(sch.get_sblock("B_pad"))  # the weight, read in place (rows clamped)
     sch.transform_layout(a_pad, ("write", 0), lambda i, k: (i // SWAP_PANEL, k, i % SWAP_PANEL))
-    # The tile's accumulators with the rows of x last: contiguous vectors.
+    # The tile's accumulators with the rows of x last: contiguous vectors; bias and activation
+    # on them in registers, vectorized the same way ("epi"), before the transposed store.
     sch.transform_layout(acc, ("write", 0), lambda i, j: (j, i))
+    sch.transform_layout(epi, ("write", 0), lambda i, j: (j, i))
     i, j, k = sch.get_loops(acc)
     io, iv, ii = sch.split(i, [None, SWAP_PANEL // vec, vec])
     jo, jt, ji = sch.split(j, [None, tiles, rows])
     sch.reorder(jo, io, jt, k, ji, iv, ii)
+    sch.reverse_compute_at(epi, jt)
+    ei, ej = sch.get_loops(epi)[-2:]
+    eiv, eii = sch.split(ei, [None, vec])
+    sch.reorder(ej, eiv, eii)
+    sch.unroll(ej)
+    sch.unroll(eiv)
+    sch.vectorize(eii)
+    sch.set_scope(epi, 0, "local")
     sch.reverse_compute_at(out, jt)
     sch.set_scope(acc, 0, "local")
     sch.unroll(ji)
