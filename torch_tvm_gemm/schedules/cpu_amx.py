@@ -89,6 +89,23 @@ def kernel_args(T, inputs, bias: bool) -> list:
     return handles
 
 
+def gemm_buffers(T, spec: GemmSpec) -> tuple:
+    """Inside ``T.prim_func()``, for a 2-D ``spec`` with a static K: ``kernel_args`` and
+    (M, A, B, bias or None, out) in ``spec.dtype``, M symbolic, B as its layout says, the
+    bias one per column or (``bias_axis`` "m") per row."""
+    from tvm import tirx
+
+    M = tirx.Var("M", "int64")
+    N, K = (tirx.const(v, "int64") for v in (spec.n, spec.k))
+    handles = kernel_args(T, ("A", "B"), spec.bias)
+    A = T.match_buffer(handles[0], (M, K), spec.dtype)
+    B = T.match_buffer(handles[1], (N, K) if spec.b_layout == "nk" else (K, N), spec.dtype)
+    bias_len = M if spec.bias_axis == "m" else N
+    bias = T.match_buffer(handles[2], (bias_len,), spec.dtype) if spec.bias else None
+    out = T.match_buffer(handles[-1], (M, N), spec.dtype)
+    return M, A, B, bias, out
+
+
 def _tile_ops(T, tirx):
     """(tile_op(name, *args): one AMX intrinsic call, tmm(t): tile register t as an immediate)."""
 
@@ -278,12 +295,7 @@ def _amx_dot_func(spec: GemmSpec):
     tile_op, tmm = _tile_ops(T, tirx)
     with IRBuilder() as ib:
         with T.prim_func():
-            handles = kernel_args(T, ("A", "B"), spec.bias)
-            M = tirx.Var("M", "int64")
-            A = T.match_buffer(handles[0], (M, i64(K)), "bfloat16")
-            B = T.match_buffer(handles[1], (i64(N), i64(K)), "bfloat16")
-            bias = T.match_buffer(handles[2], (i64(N),), "bfloat16") if spec.bias else None
-            out = T.match_buffer(handles[-1], (M, i64(N)), "bfloat16")
+            M, A, B, bias, out = gemm_buffers(T, spec)
             x_blocks = (M + BLOCK - 1) // BLOCK
             # x as 32-bit pairs, each block of 32 rows transposed into a panel of pairs
             x_words = T.decl_buffer((M * (K // 2),), "float32", data=A.data)

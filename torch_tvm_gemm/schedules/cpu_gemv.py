@@ -19,7 +19,7 @@ rows of at most PREFETCH_MAX_K values, with a static K; the rest keep the schedu
 from __future__ import annotations
 
 from ..kernels.gemm import GemmSpec, apply_activation
-from .cpu_amx import kernel_args
+from .cpu_amx import gemm_buffers
 
 SCHEDULE_VERSION = 4  # bump when the kernel changes: it is part of the CPU GEMM cache key
 PREFETCH_BYTES = 8192  # how far ahead of each row the prefetch reads
@@ -56,13 +56,8 @@ def gemv_nk_module(spec: GemmSpec, vec: int, rows: int, parallel: bool):
     ahead = PREFETCH_BYTES // 4
     with IRBuilder() as ib:
         with T.prim_func():
-            handles = kernel_args(T, ("A", "B"), spec.bias)
-            M = tirx.Var("M", "int64")
+            M, A, B, bias, out = gemm_buffers(T, spec)
             K = i64(spec.k)
-            A = T.match_buffer(handles[0], (M, K), "float32")
-            B = T.match_buffer(handles[1], (i64(N), K), "float32")
-            bias = T.match_buffer(handles[2], (i64(N),), "float32") if spec.bias else None
-            out = T.match_buffer(handles[-1], (M, i64(N)), "float32")
             # The weight as one flat array: the prefetch address runs past a row's end into
             # the next rows (the ones read next), and past the last row (a prefetch never
             # faults).
@@ -156,13 +151,7 @@ def gemv_kn_ksplit_module(spec: GemmSpec, vec: int, parallel: bool):
     loop = T.parallel if parallel else T.serial
     with IRBuilder() as ib:
         with T.prim_func():
-            handles = kernel_args(T, ("A", "B"), spec.bias)
-            M = tirx.Var("M", "int64")
-            A = T.match_buffer(handles[0], (M, i64(K)), "float32")
-            B = T.match_buffer(handles[1], (i64(K), i64(N)), "float32")
-            bias_len = M if row_bias else i64(N)
-            bias = T.match_buffer(handles[2], (bias_len,), "float32") if spec.bias else None
-            out = T.match_buffer(handles[-1], (M, i64(N)), "float32")
+            M, A, B, bias, out = gemm_buffers(T, spec)
             # (the workspace holds KSPLIT_MAX_M rows: a larger M is refused, never overrun)
             too_many = f"ksplit kernel called with M > {KSPLIT_MAX_M}"
             with T.Assert(M <= KSPLIT_MAX_M, too_many):
