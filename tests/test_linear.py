@@ -172,6 +172,24 @@ def test_linear_swap_variant(m, act):
     torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, 77))
 
 
+@pytest.mark.parametrize(("m", "act"), [(121, "gelu"), (128, "none")])
+def test_linear_swap_two_panels(m, act):
+    # A vocabulary-wide output at M of two panels (7 rows short, whole): the swap kernel over
+    # both panels of x; N off the 48-row tasks, K off the vectors; a NaN stays in its row.
+    from torch_tvm_gemm.runtime import table
+    from torch_tvm_gemm.schedules import cpu
+
+    n = cpu.SWAP_WIDE_MIN_N + 5
+    x, w, b = randn(m, 77), randn(n, 77), randn(n)
+    x[m - 1, 5] = float("nan")
+    table.clear_table()
+    out = tg.linear(x, w, b, act)
+    assert [s.variant for s in table._table] == ["swap"]
+    assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
+    want = reference(x, w, b, act).float()
+    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, 77))
+
+
 def test_swap_variant_rule():
     assert [gemm_variant(m, 768, 768, "nk") for m in (48, 55, 56, 60, 64, 65, 120, 128)] == [
         "gemm",
@@ -190,6 +208,20 @@ def test_swap_variant_rule():
     assert gemm_variant(64, 768, 768, "nk", dtype="bfloat16") == ("dot" if amx else "gemm")
     assert gemm_variant(64, 768, 768, "nk", static_k=False) == "gemm"
     assert gemm_variant(64, 768, 11008, "nk") == "gemm"  # a panel of x past half the L2
+    # Two panels for wide outputs only, and only while both panels of x fit the L2 together.
+    from torch_tvm_gemm.schedules import cpu
+
+    wide = cpu.SWAP_WIDE_MIN_N
+    assert [gemm_variant(m, wide, 768, "nk") for m in (119, 120, 128, 129)] == [
+        "gemm",
+        "swap",
+        "swap",
+        "gemm",
+    ]
+    assert gemm_variant(128, wide - 1, 768, "nk") == "gemm"
+    assert gemm_variant(128, wide, cpu.swap_max_k() // 2, "nk") == "swap"
+    assert gemm_variant(128, wide, cpu.swap_max_k() // 2 + 1, "nk") == "gemm"
+    assert gemm_variant(64, wide, cpu.swap_max_k() // 2 + 1, "nk") == "swap"
 
 
 def test_swap_needs_avx512():

@@ -73,9 +73,15 @@ DOT2_TILE = (2, 10)
 # quiet Intel Xeon, two runs each, torch = 1), packed kernel -> swap: M=64 1.00-1.03 ->
 # 1.27-1.37x at 4096x4096, 1.06-1.15 -> 1.45-1.52x at N=11008 K=4096, 1.10-1.22 -> 1.16-1.31x
 # at 768x768; M=56 0.96-1.04 -> 1.17-1.24x at 4096x4096; M=120 and 128 (two panels)
-# 0.95-1.04 -> 0.85-0.97x at 4096x4096, so one panel only. M=48 (16 rows short) was mixed.
+# 0.95-1.04 -> 0.85-0.97x at 4096x4096. M=48 (16 rows short) was mixed. More than one panel
+# only for wide outputs (N >= SWAP_WIDE_MIN_N: vocabulary projections) whose panels of x fit
+# together (panels x K <= swap_max_k); M=120-128, plain, packed -> two panels (same run, 2
+# threads, quiet Intel Xeon): N=50257 K=768 (GPT-2's lm_head) 0.92-0.96 -> 1.04-1.05x, N=32000
+# K=768 0.95 -> 1.02x, N=16384 K=1024 1.07 -> 1.15x, N=50257 K=1600 1.15 -> 1.30x; narrower N
+# lost: N=512..1376 0.95-1.13 -> 0.78-0.98x, N=768/3072 even; GPT-2 b1 0.98 -> 1.02x end to end.
 SWAP_PANEL = 64
-SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 64, 8
+SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 128, 8
+SWAP_WIDE_MIN_N = 16384
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 
 
@@ -124,7 +130,7 @@ def gemm_variant(
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
     if nk and dtype == "bfloat16" and static_k and k % 2 == 0 and _amx_dot_fits(m, k):
         return "dot"
-    if nk and dtype == "float32" and static_k and _swap_fits(m, k):
+    if nk and dtype == "float32" and static_k and _swap_fits(m, n, k):
         return "swap"
     kn = device == "cpu" and b_layout == "kn" and big_b
     if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
@@ -141,9 +147,15 @@ def _amx_dot_fits(m: int, k: int) -> bool:
     return 2 <= m <= max_m and m * k * 2 <= max_x_bytes
 
 
-def _swap_fits(m: int, k: int) -> bool:
-    short = -m % SWAP_PANEL  # padded rows
-    return SWAP_MIN_M <= m <= SWAP_MAX_M and short <= SWAP_SLACK and k <= swap_max_k()
+def _swap_fits(m: int, n: int, k: int) -> bool:
+    panels = -(-m // SWAP_PANEL)
+    short = panels * SWAP_PANEL - m  # padded rows
+    return (
+        SWAP_MIN_M <= m <= SWAP_MAX_M
+        and short <= SWAP_SLACK
+        and panels * k <= swap_max_k()
+        and (panels == 1 or n >= SWAP_WIDE_MIN_N)
+    )
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
