@@ -160,9 +160,14 @@ def test_linear_two_rows(dtype, act):
 def test_linear_swap_variant(m, act):
     # M at or just under one 64-row panel takes the "swap" kernel (x packed, the weight
     # read in place); N off its 48-row tasks, K off the vectors; a NaN stays in its row.
+    check_swap(m, 100, act)
+
+
+def check_swap(m, n, act):
+    """linear(M x 77 by N x 77) runs the swap kernel, is close to torch, keeps a NaN in its row."""
     from torch_tvm_gemm.runtime import table
 
-    x, w, b = randn(m, 77), randn(100, 77), randn(100)
+    x, w, b = randn(m, 77), randn(n, 77), randn(n)
     x[m - 1, 5] = float("nan")
     table.clear_table()
     out = tg.linear(x, w, b, act)
@@ -176,18 +181,9 @@ def test_linear_swap_variant(m, act):
 def test_linear_swap_two_panels(m, act):
     # A vocabulary-wide output at M of two panels (7 rows short, whole): the swap kernel over
     # both panels of x; N off the 48-row tasks, K off the vectors; a NaN stays in its row.
-    from torch_tvm_gemm.runtime import table
     from torch_tvm_gemm.schedules import cpu
 
-    n = cpu.SWAP_WIDE_MIN_N + 5
-    x, w, b = randn(m, 77), randn(n, 77), randn(n)
-    x[m - 1, 5] = float("nan")
-    table.clear_table()
-    out = tg.linear(x, w, b, act)
-    assert [s.variant for s in table._table] == ["swap"]
-    assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
-    want = reference(x, w, b, act).float()
-    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, 77))
+    check_swap(m, cpu.SWAP_WIDE_MIN_N + 5, act)
 
 
 def test_swap_variant_rule():
