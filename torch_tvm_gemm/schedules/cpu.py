@@ -78,7 +78,8 @@ DOT2_TILE = (2, 10)
 # together (panels x K <= swap_max_k); M=120-128, plain, packed -> two panels (same run, 2
 # threads, quiet Intel Xeon): N=50257 K=768 (GPT-2's lm_head) 0.92-0.96 -> 1.04-1.05x, N=32000
 # K=768 0.95 -> 1.02x, N=16384 K=1024 1.07 -> 1.15x, N=50257 K=1600 1.15 -> 1.30x; narrower N
-# lost: N=512..1376 0.95-1.13 -> 0.78-0.98x, N=768/3072 even; GPT-2 b1 0.98 -> 1.02x end to end.
+# lost: N=512..1376 0.95-1.13 -> 0.78-0.98x, N=768/3072 even. GPT-2 (4 layers) b1 1.00-1.03 ->
+# 1.05-1.08x end to end.
 SWAP_PANEL = 64
 SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 128, 8
 SWAP_WIDE_MIN_N = 16384
