@@ -276,6 +276,8 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks += [(64, cpu.swap_max_k()), (64, cpu.swap_max_k() + 1)]
     wide, half_k = cpu.SWAP_WIDE_MIN_N, cpu.swap_max_k() // 2
     nks += [(wide, 768), (wide - 1, 768), (wide, half_k), (wide, half_k + 1)]
+    deep = cpu.SWAP_DEEP_MIN_N
+    nks += [(deep, half_k + 1), (deep - 1, half_k + 1), (deep, half_k), (wide, cpu.swap_max_k())]
     ms += [119, 121, 128]  # two panels of the swap kernel
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]

@@ -163,18 +163,18 @@ def test_linear_swap_variant(m, act):
     check_swap(m, 100, act)
 
 
-def check_swap(m, n, act):
-    """linear(M x 77 by N x 77) runs the swap kernel, is close to torch, keeps a NaN in its row."""
+def check_swap(m, n, act, k=77):
+    """linear(M x K by N x K) runs the swap kernel, is close to torch, keeps a NaN in its row."""
     from torch_tvm_gemm.runtime import table
 
-    x, w, b = randn(m, 77), randn(n, 77), randn(n)
+    x, w, b = randn(m, k), randn(n, k), randn(n)
     x[m - 1, 5] = float("nan")
     table.clear_table()
     out = tg.linear(x, w, b, act)
     assert [s.variant for s in table._table] == ["swap"]
     assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
     want = reference(x, w, b, act).float()
-    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, 77))
+    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, k))
 
 
 @pytest.mark.parametrize(("m", "act"), [(121, "gelu"), (128, "none")])
@@ -184,6 +184,17 @@ def test_linear_swap_two_panels(m, act):
     from torch_tvm_gemm.schedules import cpu
 
     check_swap(m, cpu.SWAP_WIDE_MIN_N + 5, act)
+
+
+@pytest.mark.parametrize(("m", "act"), [(121, "relu"), (128, "gelu")])
+def test_linear_swap_two_panels_long_k(m, act):
+    # A K whose two panels of x outgrow half the L2: the kernel takes one panel at a time
+    # (the panel loop outside the parallel one); N and K off the tiles and vectors.
+    from torch_tvm_gemm.schedules import cpu
+
+    k = cpu.swap_max_k() // 2 + 5
+    assert cpu.swap_panel_outside(k) and not cpu.swap_panel_outside(k - 5)
+    check_swap(m, cpu.SWAP_DEEP_MIN_N + 5, act, k)
 
 
 def test_swap_variant_rule():
@@ -215,9 +226,15 @@ def test_swap_variant_rule():
         "gemm",
     ]
     assert gemm_variant(128, wide - 1, 768, "nk") == "gemm"
-    assert gemm_variant(128, wide, cpu.swap_max_k() // 2, "nk") == "swap"
-    assert gemm_variant(128, wide, cpu.swap_max_k() // 2 + 1, "nk") == "gemm"
-    assert gemm_variant(64, wide, cpu.swap_max_k() // 2 + 1, "nk") == "swap"
+    half_k, deep = cpu.swap_max_k() // 2, cpu.SWAP_DEEP_MIN_N
+    assert gemm_variant(128, wide, half_k, "nk") == "swap"
+    assert gemm_variant(64, wide, half_k + 1, "nk") == "swap"
+    # Past that K, one panel at a time: two panels from N = SWAP_DEEP_MIN_N, up to swap_max_k.
+    assert gemm_variant(128, deep, half_k, "nk") == "gemm"
+    assert gemm_variant(128, deep, half_k + 1, "nk") == "swap"
+    assert gemm_variant(120, wide, cpu.swap_max_k(), "nk") == "swap"
+    assert gemm_variant(128, deep - 1, half_k + 1, "nk") == "gemm"
+    assert gemm_variant(128, wide, cpu.swap_max_k() + 1, "nk") == "gemm"
 
 
 def test_swap_needs_avx512():

@@ -131,6 +131,7 @@ def use_impl(path: str) -> str:
                 cpu_schedules.SWAP_SLACK,
                 cpu_schedules.swap_max_k(),
                 cpu_schedules.SWAP_WIDE_MIN_N,
+                cpu_schedules.SWAP_DEEP_MIN_N,
             ],
             huge_output_bytes=huge_pages.huge_output_bytes(),
             amx_dot=list(cpu_schedules.amx_dot_limits()),

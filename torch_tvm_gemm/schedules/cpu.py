@@ -45,7 +45,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 17  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 18  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -80,9 +80,17 @@ DOT2_TILE = (2, 10)
 # K=768 0.95 -> 1.02x, N=16384 K=1024 1.07 -> 1.15x, N=50257 K=1600 1.15 -> 1.30x; narrower N
 # lost: N=512..1376 0.95-1.13 -> 0.78-0.98x, N=768/3072 even. GPT-2 (4 layers) b1 1.00-1.03 ->
 # 1.05-1.08x end to end.
+# Where the panels of x do not fit half the L2 together (panels x K > swap_max_k: a long K),
+# the kernel takes one panel at a time, all of the weight for each (the panel loop outside the
+# parallel one), and two panels pay for N >= SWAP_DEEP_MIN_N. Kernels alone, M=128, bias +
+# relu, 2 threads, quiet Intel Xeon, packed -> swap, panel loop outside (inside): N=768 K=3072
+# 1.05 -> 1.13x (1.06x), 4096x4096 1.02 -> 1.15x (1.02x), N=11008 K=4096 1.04 -> 1.26x (1.13x),
+# N=1024 K=4096 1.03 -> 1.09x, N=2048 K=2560 1.06 -> 1.09x; N=512 K=3072 1.07 -> 0.96x; M=120
+# even (1.04-1.10x either way); at K=768 (N=3072, GELU) no gain: 1.00 -> 0.99x.
 SWAP_PANEL = 64
 SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 128, 8
 SWAP_WIDE_MIN_N = 16384
+SWAP_DEEP_MIN_N = 768
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 
 
@@ -151,12 +159,19 @@ def _amx_dot_fits(m: int, k: int) -> bool:
 def _swap_fits(m: int, n: int, k: int) -> bool:
     panels = -(-m // SWAP_PANEL)
     short = panels * SWAP_PANEL - m  # padded rows
+    max_k = swap_max_k()
     return (
         SWAP_MIN_M <= m <= SWAP_MAX_M
         and short <= SWAP_SLACK
-        and panels * k <= swap_max_k()
-        and (panels == 1 or n >= SWAP_WIDE_MIN_N)
+        and k <= max_k
+        and (panels == 1 or n >= (SWAP_DEEP_MIN_N if panels * k > max_k else SWAP_WIDE_MIN_N))
     )
+
+
+def swap_panel_outside(k: int, cpu: CpuInfo | None = None) -> bool:
+    """Whether the swap kernel for this K takes x one panel at a time (all of the weight for
+    each), which it does when the most panels it is called with do not fit half the L2."""
+    return -(-SWAP_MAX_M // SWAP_PANEL) * k > swap_max_k(cpu)
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -221,7 +236,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
         rows, tiles = SWAP_TILE
         sch = s_tir.Schedule(gemm_compute(spec, SWAP_PANEL, rows * tiles, padded_epilogue=True))
-        _schedule_swapped(sch, rows, tiles, vec)
+        _schedule_swapped(sch, rows, tiles, vec, swap_panel_outside(spec.k, cpu))
     elif spec.variant == "ksplit":
         tasks = -(-spec.k // cpu_gemv.ksplit_rows(spec.k))
         return cpu_gemv.gemv_kn_ksplit_module(spec, vec, _gemv_parallel(spec, tasks))
@@ -282,11 +297,14 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.decompose_reduction(acc, k)
 
 
-def _schedule_swapped(sch, rows: int, tiles: int, vec: int) -> None:
+def _schedule_swapped(sch, rows: int, tiles: int, vec: int, panel_outside: bool) -> None:
     """The "swap" variant: per parallel task ``tiles`` x ``rows`` rows of the weight; for each
     panel of 64 rows of x, each ``rows`` x 64 tile of the transposed result sums in registers
     over all of K (``rows`` broadcasts of the weight, 4 vector loads of the panel, 24 FMAs a
-    step). x is packed into panels first, all of it, in parallel, by 16 x 16 transposes."""
+    step). x is packed into panels first, all of it, in parallel, by 16 x 16 transposes.
+    ``panel_outside``: the panels one after the other, each a parallel loop over the tasks
+    (one panel in cache at a time); else each task runs all panels (its rows of the weight
+    read once from memory)."""
     a_pad, acc, out = sch.get_sblock("A_pad"), sch.get_sblock("acc"), sch.get_sblock("out")
     epi = sch.get_sblock("epi")
     sch.compute_inline(sch.get_sblock("B_pad"))  # the weight, read in place (rows clamped)
@@ -298,7 +316,7 @@ def _schedule_swapped(sch, rows: int, tiles: int, vec: int) -> None:
     i, j, k = sch.get_loops(acc)
     io, iv, ii = sch.split(i, [None, SWAP_PANEL // vec, vec])
     jo, jt, ji = sch.split(j, [None, tiles, rows])
-    sch.reorder(jo, io, jt, k, ji, iv, ii)
+    sch.reorder(*((io, jo) if panel_outside else (jo, io)), jt, k, ji, iv, ii)
     sch.reverse_compute_at(epi, jt)
     ei, ej = sch.get_loops(epi)[-2:]
     eiv, eii = sch.split(ei, [None, vec])
