@@ -49,10 +49,13 @@ def test_matches_torch(case, dtype):
 
 
 # 1x1 convs that run as a GEMM per image (schedules/cpu_conv2d.pointwise_as_gemm): C <= 64 and
-# at least 1024 pixels. 3 channels x 33x33 pixels puts image 1 at a 13068-byte offset, off the
-# kernels' 64-byte alignment; K=5 is not a multiple of the 6-row register tile. 3 output
-# channels of 1056 pixels take the "ksplit" kernel (a bias per row of its A, the weight).
+# at least 1024 pixels, or at least 784 pixels and 2^23 multiply-adds an image. 3 channels x
+# 33x33 pixels puts image 1 at a 13068-byte offset, off the kernels' 64-byte alignment; K=5 is
+# not a multiple of the 6-row register tile. 3 output channels of 1056 pixels take the
+# "ksplit" kernel (a bias per row of its A, the weight). 28x28 pixels, 200 -> 60 channels:
+# the fewest pixels, C past the 16-wide vectors.
 POINTWISE = [(2, 3, 33, 33, 5), (1, 64, 32, 40, 70), (3, 16, 36, 30, 24), (2, 16, 32, 33, 3)]
+POINTWISE += [(2, 200, 28, 28, 60)]
 
 
 @pytest.mark.parametrize("case", POINTWISE, ids=lambda c: "n{}c{}{}x{}k{}".format(*c))
@@ -64,6 +67,8 @@ def test_pointwise_as_gemm(case, dtype, with_bias, relu):
 
     n, c, h, w, k = case
     assert pointwise_as_gemm(Conv2dSpec("float32", c, k, 1, 1, h, w))
+    assert not pointwise_as_gemm(Conv2dSpec("float32", c, k, 1, 1, 27, 29))  # 783 pixels
+    assert not pointwise_as_gemm(Conv2dSpec("float32", 200, 30, 1, 1, 28, 28))  # 4.7 M an image
     x, wt = randn(n, c, h, w, dtype=dtype), randn(k, c, 1, 1, dtype=dtype)
     b = randn(k, dtype=dtype) if with_bias else None
     y = tg.conv2d_bias_relu(x, wt, b, relu=relu)

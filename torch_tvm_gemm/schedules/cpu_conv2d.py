@@ -47,12 +47,19 @@ def nhwc_on_tiles(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]
 # (C x P), P = OH * OW, and the GEMM kernel stores whole vectors along P, while the blocked
 # kernel below stores its (channels x width) tile transposed, lane by lane, which dominates
-# when the reduction over C is short. Measured (1 thread, GFLOPS, blocked vs as a GEMM):
-# 56x56 64->256 99-129 vs 203-225, 64->64 86 vs 110; with more channels or fewer panels of P
-# the blocked kernel wins: 56x56 256->64 149 vs 151, 28x28 128->512 198 vs 123, 14x14
-# 256->1024 226 vs 140 (P = 784 or 196 splits into few 64-wide panels, unevenly).
+# when the reduction over C is short: 56x56 64->256 99-129 vs 203-225 GFLOPS on 1 thread.
+# With more channels the GEMM still wins where each image is enough work for the threads:
+# its parallel loop runs over 64-wide panels of P, one image after the other, while the
+# blocked kernel shares the images out. Measured (2 threads, Intel Xeon, + bias + relu,
+# torch = 1, blocked / GEMM): batch 8, 56x56 256->64 0.91 / 1.23x, 144->24 1.26 / 1.61x,
+# 28x28 512->128 0.86 / 0.93x, 128->512 1.02 / 1.09x; batch 1, 56x56 256->64 0.98 / 1.37x,
+# 28x28 512->128 1.01 / 1.16x; but 28x28 192->32 (4.8 M multiply-adds an image) 1.28 / 0.81x
+# and 144->32 1.35 / 0.85x at batch 8; at 14x14 (4 panels) 1024->256 0.87 / 0.78x, 256->1024
+# 0.99 / 0.78x.
 POINTWISE_GEMM_MAX_C = 64
 POINTWISE_GEMM_MIN_P = 1024
+POINTWISE_GEMM_MIN_WORK = 1 << 23  # multiply-adds per image (P x C x K), with P >= 784
+POINTWISE_GEMM_MIN_WORK_P = 784
 
 
 def pointwise_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
@@ -68,10 +75,10 @@ def pointwise_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
     )
     if pointwise and spec.dtype == "bfloat16" and (cpu or host_cpu()).amx_bf16:
         return True
-    return (
-        pointwise
-        and spec.c <= POINTWISE_GEMM_MAX_C
-        and spec.out_h * spec.out_w >= POINTWISE_GEMM_MIN_P
+    p = spec.out_h * spec.out_w
+    return pointwise and (
+        (spec.c <= POINTWISE_GEMM_MAX_C and p >= POINTWISE_GEMM_MIN_P)
+        or (p >= POINTWISE_GEMM_MIN_WORK_P and p * spec.c * spec.k >= POINTWISE_GEMM_MIN_WORK)
     )
 
 
