@@ -282,6 +282,8 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]
     ms += [cpu.KSPLIT_MAX_M, cpu.KSPLIT_MAX_M + 1]
+    ms += [cpu.SWAP32_PANEL - cpu.SWAP_SLACK - 1, cpu.SWAP32_PANEL - cpu.SWAP_SLACK]  # swap32
+    nks += [(64, cpu.swap32_max_k()), (64, cpu.swap32_max_k() + 1)]
     kinds = [("float32", True), ("float32", False), ("float64", True), ("bfloat16", True)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
     try:
@@ -301,6 +303,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
         "gemv",
         "dot2",
         "dot",
+        "swap32",
         "swap",
         "gemm",
     }  # the sweep reaches every variant

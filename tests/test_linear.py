@@ -163,18 +163,25 @@ def test_linear_swap_variant(m, act):
     check_swap(m, 100, act)
 
 
-def check_swap(m, n, act, k=77):
-    """linear(M x K by N x K) runs the swap kernel, is close to torch, keeps a NaN in its row."""
+def check_swap(m, n, act, k=77, variant="swap"):
+    """linear(M x K by N x K) runs ``variant``, is close to torch, keeps a NaN in its row."""
     from torch_tvm_gemm.runtime import table
 
     x, w, b = randn(m, k), randn(n, k), randn(n)
     x[m - 1, 5] = float("nan")
     table.clear_table()
     out = tg.linear(x, w, b, act)
-    assert [s.variant for s in table._table] == ["swap"]
+    assert [s.variant for s in table._table] == [variant]
     assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
     want = reference(x, w, b, act).float()
     torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, k))
+
+
+@pytest.mark.parametrize(("m", "act"), [(24, "relu"), (29, "gelu"), (32, "none")])
+def test_linear_swap32_variant(m, act):
+    # M within 8 rows of one 32-row panel: the swap kernel with 12 x 32 tiles ("swap32");
+    # N off its 48-row tasks, K off the vectors; a NaN stays in its row.
+    check_swap(m, 100, act, variant="swap32")
 
 
 @pytest.mark.parametrize(("m", "act"), [(121, "gelu"), (128, "none")])
@@ -235,6 +242,24 @@ def test_swap_variant_rule():
     assert gemm_variant(120, wide, cpu.swap_max_k(), "nk") == "swap"
     assert gemm_variant(128, deep - 1, half_k + 1, "nk") == "gemm"
     assert gemm_variant(128, wide, cpu.swap_max_k() + 1, "nk") == "gemm"
+
+
+def test_swap32_variant_rule():
+    from torch_tvm_gemm.schedules import cpu
+
+    low = cpu.SWAP32_PANEL - cpu.SWAP_SLACK
+    assert [gemm_variant(m, 768, 768, "nk") for m in (low - 1, low, 32, 33)] == [
+        "dot",
+        "swap32",
+        "swap32",
+        "gemm",
+    ]
+    assert gemm_variant(32, 768, cpu.swap32_max_k(), "nk") == "swap32"
+    assert gemm_variant(32, 768, cpu.swap32_max_k() + 1, "nk") == "dot"
+    assert gemm_variant(32, 768, 768, "nk", dtype="float64") == "dot"
+    assert gemm_variant(32, 768, 768, "nk", static_k=False) == "dot"
+    assert gemm_variant(32, 768, 768, "kn") == "gemm"
+    assert gemm_variant(32, 60, 60, "nk") == "gemm"  # a weight under 4096 elements
 
 
 def test_swap_needs_avx512():

@@ -140,6 +140,11 @@ def use_impl(path: str) -> str:
                 cpu_schedules.KSPLIT_MIN_N,
                 cpu_schedules.KSPLIT_N_MULTIPLE,
             ],
+            swap32=[
+                cpu_schedules.SWAP32_PANEL - cpu_schedules.SWAP_SLACK,
+                cpu_schedules.SWAP32_PANEL,
+                cpu_schedules.swap32_max_k(),
+            ],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

@@ -28,7 +28,8 @@ call; this one packs x, M x K: at M = 64, N = K = 4096, 1/64 of it. Its output t
 columns by 64 rows of the result; M is padded to whole panels, so an M far from a multiple
 of 64 wastes rows (M = 96 computes 128: 0.82-0.91x torch, where the packed kernel is at 1.0x),
 and from two panels on the packed kernel is as fast or faster (M = 120, 128: 0.85-1.05x
-torch against 0.95-1.10x).
+torch against 0.95-1.10x). "swap32" (M from 24 to 32) is the same kernel with one panel of 32
+rows and tiles of 12 columns by 32 rows (12 broadcasts, 2 vector loads, 24 FMAs a step).
 
 A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
 (``kernels/gemm_kblocked.py``).
@@ -92,6 +93,17 @@ SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 128, 8
 SWAP_WIDE_MIN_N = 16384
 SWAP_DEEP_MIN_N = 768
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
+# "swap32": the swap kernel for one panel of 32 rows of x (M within SWAP_SLACK rows of it), a
+# tile of 12 columns of the result by the 32 rows (12 broadcasts of the weight, 2 vector loads
+# of the panel, 24 FMAs a step), where the dot kernel reads x again for every 6 rows of the
+# weight. The panel (32 x K floats) within the L2: K <= swap32_max_k. Kernels alone, bias +
+# relu, 2 threads, quiet Intel Xeon, F.linear = 1, dot -> swap32: M=32 768x768 0.98 -> 1.26x,
+# N=3072 K=768 1.07 -> 1.46x, 4096x4096 1.09 -> 1.67x, N=4096 K=11008 (packed kernel) 1.15 ->
+# 1.85x; M=24 768x768 1.07 -> 1.06x, N=3072 K=768 1.05 -> 1.23x, N=768 K=3072 1.31 -> 1.39x;
+# M=20 4096x4096 1.18 -> 1.36x; lost at M <= 17 with small weights (768x768 M=17 1.07 ->
+# 0.92x, M=16 1.23 -> 0.85x, M=8 1.04 -> 0.36x).
+SWAP32_PANEL = 32
+SWAP32_TILE = (12, 4)
 
 
 # bfloat16 on AMX tiles: the "dot" variant (cpu_amx.py: the weight's rows loaded as tiles in
@@ -112,6 +124,13 @@ def amx_dot_limits(cpu: CpuInfo | None = None) -> tuple[int, int]:
     return (AMX_DOT_MAX_M, cpu.l2_bytes) if cpu.amx_bf16 else (0, 0)
 
 
+def swap32_max_k(cpu: CpuInfo | None = None) -> int:
+    """The longest K of the "swap32" variant on this CPU (ops/impls.py hands it to csrc/ too):
+    a panel of 32 rows of x in the L2 (measured at K = 11008, 1.4 MB of a 2 MB L2: 1.85x
+    F.linear against 1.15x for the packed kernel); 0 without AVX-512."""
+    return 4 * swap_max_k(cpu)
+
+
 def swap_max_k(cpu: CpuInfo | None = None) -> int:
     """The longest K of the "swap" variant on this CPU (ops/impls.py hands it to csrc/ too):
     0, no swap, without AVX-512, whose 6 x 4 vectors of accumulators the tile needs."""
@@ -130,10 +149,12 @@ def gemm_variant(
     dtype: str = "float32",
     static_k: bool = True,
 ) -> str:
-    """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot", "swap"
-    or "gemm"."""
+    """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot",
+    "swap32", "swap" or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
+    if nk and dtype == "float32" and static_k and _swap32_fits(m, k):
+        return "swap32"
     if nk and 2 <= m <= DOT_MAX_M:
         return "dot2" if m <= DOT2_MAX_M else "dot"
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
@@ -154,6 +175,10 @@ def _ksplit_fits(m: int, n: int) -> bool:
 def _amx_dot_fits(m: int, k: int) -> bool:
     max_m, max_x_bytes = amx_dot_limits()
     return 2 <= m <= max_m and m * k * 2 <= max_x_bytes
+
+
+def _swap32_fits(m: int, k: int) -> bool:
+    return SWAP32_PANEL - SWAP_SLACK <= m <= SWAP32_PANEL and k <= swap32_max_k()
 
 
 def _swap_fits(m: int, n: int, k: int) -> bool:
@@ -231,12 +256,15 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         tile = DOT2_TILE if spec.variant == "dot2" else DOT_TILE
         sch = s_tir.Schedule(gemm_compute(spec, *tile))
         _schedule_dot_nk(sch, spec, vec, tile)
-    elif spec.variant == "swap":
+    elif spec.variant in ("swap", "swap32"):
         if spec.b_layout != "nk" or spec.dtype != "float32" or spec.k is None:
             raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
-        rows, tiles = SWAP_TILE
-        sch = s_tir.Schedule(gemm_compute(spec, SWAP_PANEL, rows * tiles, padded_epilogue=True))
-        _schedule_swapped(sch, rows, tiles, vec, swap_panel_outside(spec.k, cpu))
+        one_panel = spec.variant == "swap32"
+        panel = SWAP32_PANEL if one_panel else SWAP_PANEL
+        rows, tiles = SWAP32_TILE if one_panel else SWAP_TILE
+        sch = s_tir.Schedule(gemm_compute(spec, panel, rows * tiles, padded_epilogue=True))
+        outside = not one_panel and swap_panel_outside(spec.k, cpu)
+        _schedule_swapped(sch, panel, rows, tiles, vec, outside)
     elif spec.variant == "ksplit":
         tasks = -(-spec.k // cpu_gemv.ksplit_rows(spec.k))
         return cpu_gemv.gemv_kn_ksplit_module(spec, vec, _gemv_parallel(spec, tasks))
@@ -297,24 +325,27 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.decompose_reduction(acc, k)
 
 
-def _schedule_swapped(sch, rows: int, tiles: int, vec: int, panel_outside: bool) -> None:
-    """The "swap" variant: per parallel task ``tiles`` x ``rows`` rows of the weight; for each
-    panel of 64 rows of x, each ``rows`` x 64 tile of the transposed result sums in registers
-    over all of K (``rows`` broadcasts of the weight, 4 vector loads of the panel, 24 FMAs a
-    step). x is packed into panels first, all of it, in parallel, by 16 x 16 transposes.
+def _schedule_swapped(
+    sch, panel: int, rows: int, tiles: int, vec: int, panel_outside: bool
+) -> None:
+    """The "swap" variants: per parallel task ``tiles`` x ``rows`` rows of the weight; for each
+    panel of ``panel`` rows of x, each ``rows`` x ``panel`` tile of the transposed result sums
+    in registers over all of K (``rows`` broadcasts of the weight, ``panel / vec`` vector loads
+    of the panel a step). x is packed into panels first, all of it, in parallel, by 16 x 16
+    transposes.
     ``panel_outside``: the panels one after the other, each a parallel loop over the tasks
     (one panel in cache at a time); else each task runs all panels (its rows of the weight
     read once from memory)."""
     a_pad, acc, out = sch.get_sblock("A_pad"), sch.get_sblock("acc"), sch.get_sblock("out")
     epi = sch.get_sblock("epi")
     sch.compute_inline(sch.get_sblock("B_pad"))  # the weight, read in place (rows clamped)
-    sch.transform_layout(a_pad, ("write", 0), lambda i, k: (i // SWAP_PANEL, k, i % SWAP_PANEL))
+    sch.transform_layout(a_pad, ("write", 0), lambda i, k: (i // panel, k, i % panel))
     # The tile's accumulators with the rows of x last: contiguous vectors; bias and activation
     # on them in registers, vectorized the same way ("epi"), before the transposed store.
     sch.transform_layout(acc, ("write", 0), lambda i, j: (j, i))
     sch.transform_layout(epi, ("write", 0), lambda i, j: (j, i))
     i, j, k = sch.get_loops(acc)
-    io, iv, ii = sch.split(i, [None, SWAP_PANEL // vec, vec])
+    io, iv, ii = sch.split(i, [None, panel // vec, vec])
     jo, jt, ji = sch.split(j, [None, tiles, rows])
     sch.reorder(*((io, jo) if panel_outside else (jo, io)), jt, k, ji, iv, ii)
     sch.reverse_compute_at(epi, jt)
@@ -332,7 +363,7 @@ def _schedule_swapped(sch, rows: int, tiles: int, vec: int, panel_outside: bool)
     sch.vectorize(ii)
     sch.parallel(jo)
     pi, pk = sch.get_loops(a_pad)
-    po, pv, pr = sch.split(pi, [None, SWAP_PANEL // vec, vec])
+    po, pv, pr = sch.split(pi, [None, panel // vec, vec])
     k0, k1 = sch.split(pk, [None, vec])
     sch.reorder(po, k0, pv, pr, k1)
     sch.parallel(po)
