@@ -88,11 +88,13 @@ struct Config {
   struct {
     int64_t min_m = 0, max_m = 0, panel = 1, slack = 0, max_k = 0, wide_min_n = 0, deep_min_n = 0;
   } swap;
-  // "swap32" (float32 "nk", static K): M in [min_m, max_m], K <= max_k (schedules/cpu.py
-  // SWAP32_* and swap32_max_k); max_m 0: never.
-  struct {
-    int64_t min_m = 0, max_m = 0, max_k = 0;
-  } swap32;
+  // The one-panel swap variants "swap32" and "swap48" (kVariants[6], [7]; float32 "nk", static
+  // K): M in [min_m, max_m], N >= min_n, K <= max_k (schedules/cpu.py ONE_PANEL_SWAPS and
+  // one_panel_swap_max_k); max_m 0: never.
+  struct OnePanelSwap {
+    int64_t min_m = 0, max_m = 0, min_n = 0, max_k = 0;
+  };
+  std::array<OnePanelSwap, 2> one_panel_swaps{};
   // "ksplit" (float32 "kn", static K): M in [1, max_m], N >= min_n and a multiple of
   // n_multiple (schedules/cpu.py KSPLIT_*); max_m 0: never.
   struct {
@@ -178,8 +180,8 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 7> kVariants{
-    {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32"}};
+constexpr std::array<const char*, 8> kVariants{
+    {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32", "swap48"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
@@ -187,10 +189,12 @@ constexpr std::array<const char*, 7> kVariants{
 int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf16,
                  bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
-  const auto& swap32 = g_config.swap32;
-  if (b_nk && big_b && fp32 && static_k && m >= swap32.min_m && m <= swap32.max_m &&
-      k <= swap32.max_k) {
-    return 6;
+  for (size_t i = 0; i < g_config.one_panel_swaps.size(); ++i) {
+    const auto& swap = g_config.one_panel_swaps[i];
+    if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
+        n >= swap.min_n && k <= swap.max_k) {
+      return 6 + static_cast<int>(i);
+    }
   }
   if (b_nk && big_b && m >= 2 && m <= g_config.dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
   const auto& amx = g_config.amx_dot;
@@ -608,7 +612,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
                     bool autograd_fast_path, int64_t huge_output_bytes,
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
-                    const std::vector<int64_t>& swap32) {
+                    const std::vector<int64_t>& one_panel_swaps) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -631,9 +635,13 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(ksplit.empty() || (ksplit.size() == 3 && ksplit[2] > 0),
               "tvm_gemm: ksplit must be (max_m, min_n, n_multiple)");
   if (!ksplit.empty()) config.ksplit = {ksplit[0], ksplit[1], ksplit[2]};
-  TORCH_CHECK(swap32.empty() || swap32.size() == 3,
-              "tvm_gemm: swap32 must be (min_m, max_m, max_k)");
-  if (!swap32.empty()) config.swap32 = {swap32[0], swap32[1], swap32[2]};
+  TORCH_CHECK(one_panel_swaps.empty() || one_panel_swaps.size() == 8,
+              "tvm_gemm: one_panel_swaps must be (min_m, max_m, min_n, max_k) of swap32, then "
+              "swap48");
+  for (size_t i = 0; i < one_panel_swaps.size() / 4; ++i) {
+    const int64_t* v = one_panel_swaps.data() + 4 * i;
+    config.one_panel_swaps[i] = {v[0], v[1], v[2], v[3]};
+  }
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -698,7 +706,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
         py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
         py::arg("huge_output_bytes") = 0, py::arg("amx_dot") = std::vector<int64_t>{},
-        py::arg("ksplit") = std::vector<int64_t>{}, py::arg("swap32") = std::vector<int64_t>{},
+        py::arg("ksplit") = std::vector<int64_t>{},
+        py::arg("one_panel_swaps") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

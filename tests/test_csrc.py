@@ -282,8 +282,10 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]
     ms += [cpu.KSPLIT_MAX_M, cpu.KSPLIT_MAX_M + 1]
-    ms += [cpu.SWAP32_PANEL - cpu.SWAP_SLACK - 1, cpu.SWAP32_PANEL - cpu.SWAP_SLACK]  # swap32
-    nks += [(64, cpu.swap32_max_k()), (64, cpu.swap32_max_k() + 1)]
+    for variant, (rows, _, _) in cpu.ONE_PANEL_SWAPS.items():  # swap32, swap48
+        ms += [rows - cpu.SWAP_SLACK - 1, rows - cpu.SWAP_SLACK, rows, rows + 1]
+        max_k = cpu.one_panel_swap_max_k(variant)
+        nks += [(64, max_k), (64, max_k + 1)]
     kinds = [("float32", True), ("float32", False), ("float64", True), ("bfloat16", True)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
     try:
@@ -299,11 +301,12 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     finally:
         ops.use_impl(previous)
     assert not disagree, disagree
-    assert {ops.gemm_spec("float32", m, 64, 64, "nk").variant for m in ms} == {
+    assert {ops.gemm_spec("float32", m, n, n, "nk").variant for m in ms for n in (64, 768)} == {
         "gemv",
         "dot2",
         "dot",
         "swap32",
+        "swap48",
         "swap",
         "gemm",
     }  # the sweep reaches every variant

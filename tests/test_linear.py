@@ -177,11 +177,22 @@ def check_swap(m, n, act, k=77, variant="swap"):
     torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, k))
 
 
-@pytest.mark.parametrize(("m", "act"), [(24, "relu"), (29, "gelu"), (32, "none")])
-def test_linear_swap32_variant(m, act):
-    # M within 8 rows of one 32-row panel: the swap kernel with 12 x 32 tiles ("swap32");
-    # N off its 48-row tasks, K off the vectors; a NaN stays in its row.
-    check_swap(m, 100, act, variant="swap32")
+@pytest.mark.parametrize(
+    ("m", "act", "variant"),
+    [
+        (24, "relu", "swap32"),
+        (29, "gelu", "swap32"),
+        (32, "none", "swap32"),
+        (43, "gelu", "swap48"),
+    ],
+)
+def test_linear_one_panel_swap_variants(m, act, variant):
+    # M within 8 rows of one panel of 32 or 48 rows: the swap kernel with that panel ("swap32":
+    # 12 x 32 tiles, "swap48": 8 x 48); N off its 48-row tasks (and past swap48's least N), K
+    # off the vectors; a NaN stays in its row.
+    from torch_tvm_gemm.schedules import cpu
+
+    check_swap(m, max(100, cpu.ONE_PANEL_SWAPS[variant][2] + 5), act, variant=variant)
 
 
 @pytest.mark.parametrize(("m", "act"), [(121, "gelu"), (128, "none")])
@@ -205,7 +216,7 @@ def test_linear_swap_two_panels_long_k(m, act):
 
 
 def test_swap_variant_rule():
-    assert [gemm_variant(m, 768, 768, "nk") for m in (48, 55, 56, 60, 64, 65, 120, 128)] == [
+    assert [gemm_variant(m, 768, 768, "nk") for m in (49, 55, 56, 60, 64, 65, 120, 128)] == [
         "gemm",
         "gemm",
         "swap",
@@ -244,18 +255,28 @@ def test_swap_variant_rule():
     assert gemm_variant(128, wide, cpu.swap_max_k() + 1, "nk") == "gemm"
 
 
-def test_swap32_variant_rule():
+def test_one_panel_swap_variant_rule():
     from torch_tvm_gemm.schedules import cpu
 
-    low = cpu.SWAP32_PANEL - cpu.SWAP_SLACK
-    assert [gemm_variant(m, 768, 768, "nk") for m in (low - 1, low, 32, 33)] == [
+    ms = (23, 24, 32, 33, 39, 40, 48, 49)
+    assert [gemm_variant(m, 768, 768, "nk") for m in ms] == [
         "dot",
         "swap32",
         "swap32",
         "gemm",
+        "gemm",
+        "swap48",
+        "swap48",
+        "gemm",
     ]
-    assert gemm_variant(32, 768, cpu.swap32_max_k(), "nk") == "swap32"
-    assert gemm_variant(32, 768, cpu.swap32_max_k() + 1, "nk") == "dot"
+    max_k = cpu.one_panel_swap_max_k("swap32")
+    assert max_k == 4 * cpu.swap_max_k() and cpu.one_panel_swap_max_k("swap48") < max_k
+    assert gemm_variant(32, 768, max_k, "nk") == "swap32"
+    assert gemm_variant(32, 768, max_k + 1, "nk") == "dot"
+    assert gemm_variant(48, 768, cpu.one_panel_swap_max_k("swap48") + 1, "nk") == "gemm"
+    least_n = cpu.ONE_PANEL_SWAPS["swap48"][2]
+    assert gemm_variant(48, least_n - 1, 768, "nk") == "gemm"  # too few tasks of 48 rows
+    assert gemm_variant(32, least_n - 1, 768, "nk") == "swap32"
     assert gemm_variant(32, 768, 768, "nk", dtype="float64") == "dot"
     assert gemm_variant(32, 768, 768, "nk", static_k=False) == "dot"
     assert gemm_variant(32, 768, 768, "kn") == "gemm"

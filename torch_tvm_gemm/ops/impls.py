@@ -140,10 +140,16 @@ def use_impl(path: str) -> str:
                 cpu_schedules.KSPLIT_MIN_N,
                 cpu_schedules.KSPLIT_N_MULTIPLE,
             ],
-            swap32=[
-                cpu_schedules.SWAP32_PANEL - cpu_schedules.SWAP_SLACK,
-                cpu_schedules.SWAP32_PANEL,
-                cpu_schedules.swap32_max_k(),
+            # (min_m, max_m, min_n, max_k) of "swap32", then of "swap48" (csrc/'s order)
+            one_panel_swaps=[
+                value
+                for variant in ("swap32", "swap48")
+                for value in (
+                    cpu_schedules.ONE_PANEL_SWAPS[variant][0] - cpu_schedules.SWAP_SLACK,
+                    cpu_schedules.ONE_PANEL_SWAPS[variant][0],
+                    cpu_schedules.ONE_PANEL_SWAPS[variant][2],
+                    cpu_schedules.one_panel_swap_max_k(variant),
+                )
             ],
         )
         cpp_keys = list(ext.dispatch_keys())

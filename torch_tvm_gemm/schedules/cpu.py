@@ -28,8 +28,8 @@ call; this one packs x, M x K: at M = 64, N = K = 4096, 1/64 of it. Its output t
 columns by 64 rows of the result; M is padded to whole panels, so an M far from a multiple
 of 64 wastes rows (M = 96 computes 128: 0.82-0.91x torch, where the packed kernel is at 1.0x),
 and from two panels on the packed kernel is as fast or faster (M = 120, 128: 0.85-1.05x
-torch against 0.95-1.10x). "swap32" (M from 24 to 32) is the same kernel with one panel of 32
-rows and tiles of 12 columns by 32 rows (12 broadcasts, 2 vector loads, 24 FMAs a step).
+torch against 0.95-1.10x). "swap32" (M from 24 to 32) and "swap48" (M from 40 to 48) are the
+same kernel with one panel of 32 / 48 rows and tiles of 12 / 8 columns by the panel's rows.
 
 A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
 (``kernels/gemm_kblocked.py``).
@@ -93,17 +93,24 @@ SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 128, 8
 SWAP_WIDE_MIN_N = 16384
 SWAP_DEEP_MIN_N = 768
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
-# "swap32": the swap kernel for one panel of 32 rows of x (M within SWAP_SLACK rows of it), a
-# tile of 12 columns of the result by the 32 rows (12 broadcasts of the weight, 2 vector loads
-# of the panel, 24 FMAs a step), where the dot kernel reads x again for every 6 rows of the
-# weight. The panel (32 x K floats) within the L2: K <= swap32_max_k. Kernels alone, bias +
-# relu, 2 threads, quiet Intel Xeon, F.linear = 1, dot -> swap32: M=32 768x768 0.98 -> 1.26x,
-# N=3072 K=768 1.07 -> 1.46x, 4096x4096 1.09 -> 1.67x, N=4096 K=11008 (packed kernel) 1.15 ->
-# 1.85x; M=24 768x768 1.07 -> 1.06x, N=3072 K=768 1.05 -> 1.23x, N=768 K=3072 1.31 -> 1.39x;
-# M=20 4096x4096 1.18 -> 1.36x; lost at M <= 17 with small weights (768x768 M=17 1.07 ->
-# 0.92x, M=16 1.23 -> 0.85x, M=8 1.04 -> 0.36x).
-SWAP32_PANEL = 32
-SWAP32_TILE = (12, 4)
+# The one-panel swap variants: the swap kernel for M within SWAP_SLACK rows of one panel of 32
+# or 48 rows of x, its tile the panel's rows by 12 / 8 columns of the result (24 accumulators:
+# 12 broadcasts of the weight and 2 vector loads of the panel, or 8 and 3, a step), where the
+# dot kernel reads x again for every 6 rows of the weight and the packed kernel packs the
+# weight. The panel (rows x K floats) within the L2: K <= one_panel_swap_max_k. Kernels alone,
+# bias + relu, 2 threads, quiet Intel Xeon, F.linear = 1, dot -> swap32: M=32 768x768 0.98 ->
+# 1.26x, N=3072 K=768 1.07 -> 1.46x, 4096x4096 1.09 -> 1.67x, N=4096 K=11008 (packed kernel)
+# 1.15 -> 1.85x; M=24 768x768 1.07 -> 1.06x, N=3072 K=768 1.05 -> 1.23x, N=768 K=3072 1.31 ->
+# 1.39x; M=20 4096x4096 1.18 -> 1.36x; lost at M <= 17 with small weights (768x768 M=17 1.07 ->
+# 0.92x, M=16 1.23 -> 0.85x, M=8 1.04 -> 0.36x). Packed kernel -> swap48: M=48 768x768 1.07 ->
+# 1.18x, N=3072 K=768 1.10 -> 1.22x, N=768 K=3072 1.26 -> 1.49x, 4096x4096 1.14 -> 1.53x, N=1376
+# K=512 1.31 -> 1.47x, 512x512 1.36 -> 1.22x; M=40 768x768 1.15 -> 1.11x, N=11008 K=4096 1.28 ->
+# 1.46x. (Two panels of 32 rows at M = 40-48 lost: 0.93-1.05x against 1.08-1.11x.) Through the
+# op, same run, packed -> swap48 at M=48: 768x768 1.12 -> 1.21x, 4096x4096 1.05 -> 1.36x, N=1376
+# K=512 1.26 -> 1.44x, but N=512 (11 tasks of 48 rows for 2 threads) 1.16-1.24 -> 1.06-1.12x:
+# hence a least N.
+# variant: (rows of x, SWAP_TILE, least N)
+ONE_PANEL_SWAPS = {"swap32": (32, (12, 4), 0), "swap48": (48, (8, 6), 768)}
 
 
 # bfloat16 on AMX tiles: the "dot" variant (cpu_amx.py: the weight's rows loaded as tiles in
@@ -124,11 +131,12 @@ def amx_dot_limits(cpu: CpuInfo | None = None) -> tuple[int, int]:
     return (AMX_DOT_MAX_M, cpu.l2_bytes) if cpu.amx_bf16 else (0, 0)
 
 
-def swap32_max_k(cpu: CpuInfo | None = None) -> int:
-    """The longest K of the "swap32" variant on this CPU (ops/impls.py hands it to csrc/ too):
-    a panel of 32 rows of x in the L2 (measured at K = 11008, 1.4 MB of a 2 MB L2: 1.85x
-    F.linear against 1.15x for the packed kernel); 0 without AVX-512."""
-    return 4 * swap_max_k(cpu)
+def one_panel_swap_max_k(variant: str, cpu: CpuInfo | None = None) -> int:
+    """The longest K of a one-panel swap variant on this CPU (ops/impls.py hands it to csrc/
+    too): its panel of x in the L2 (measured at K = 11008 with 32 rows, 1.4 MB of a 2 MB L2:
+    1.85x F.linear against 1.15x for the packed kernel); 0 without AVX-512."""
+    rows = ONE_PANEL_SWAPS[variant][0]
+    return 2 * swap_max_k(cpu) * SWAP_PANEL // rows
 
 
 def swap_max_k(cpu: CpuInfo | None = None) -> int:
@@ -150,11 +158,13 @@ def gemm_variant(
     static_k: bool = True,
 ) -> str:
     """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot",
-    "swap32", "swap" or "gemm"."""
+    "swap32", "swap48", "swap" or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
-    if nk and dtype == "float32" and static_k and _swap32_fits(m, k):
-        return "swap32"
+    if nk and dtype == "float32" and static_k:
+        for variant in ONE_PANEL_SWAPS:
+            if _one_panel_swap_fits(variant, m, n, k):
+                return variant
     if nk and 2 <= m <= DOT_MAX_M:
         return "dot2" if m <= DOT2_MAX_M else "dot"
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
@@ -177,8 +187,9 @@ def _amx_dot_fits(m: int, k: int) -> bool:
     return 2 <= m <= max_m and m * k * 2 <= max_x_bytes
 
 
-def _swap32_fits(m: int, k: int) -> bool:
-    return SWAP32_PANEL - SWAP_SLACK <= m <= SWAP32_PANEL and k <= swap32_max_k()
+def _one_panel_swap_fits(variant: str, m: int, n: int, k: int) -> bool:
+    rows, _, min_n = ONE_PANEL_SWAPS[variant]
+    return rows - SWAP_SLACK <= m <= rows and n >= min_n and k <= one_panel_swap_max_k(variant)
 
 
 def _swap_fits(m: int, n: int, k: int) -> bool:
@@ -256,12 +267,11 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         tile = DOT2_TILE if spec.variant == "dot2" else DOT_TILE
         sch = s_tir.Schedule(gemm_compute(spec, *tile))
         _schedule_dot_nk(sch, spec, vec, tile)
-    elif spec.variant in ("swap", "swap32"):
+    elif spec.variant == "swap" or spec.variant in ONE_PANEL_SWAPS:
         if spec.b_layout != "nk" or spec.dtype != "float32" or spec.k is None:
             raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
-        one_panel = spec.variant == "swap32"
-        panel = SWAP32_PANEL if one_panel else SWAP_PANEL
-        rows, tiles = SWAP32_TILE if one_panel else SWAP_TILE
+        one_panel = spec.variant in ONE_PANEL_SWAPS
+        panel, (rows, tiles), _ = ONE_PANEL_SWAPS.get(spec.variant, (SWAP_PANEL, SWAP_TILE, 0))
         sch = s_tir.Schedule(gemm_compute(spec, panel, rows * tiles, padded_epilogue=True))
         outside = not one_panel and swap_panel_outside(spec.k, cpu)
         _schedule_swapped(sch, panel, rows, tiles, vec, outside)
