@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 9
+SCHEDULE_VERSION = 10  # (9: x packed in parallel, undone: not measurably faster)
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -280,10 +280,10 @@ def _amx_dot_func(spec: GemmSpec):
     panel for one or two blocks of A at these M: the pack was most of the call (768 x 3072 at
     M = 8: 0.78x oneDNN). Here the weight is the A operand, its 32-row blocks loaded as tiles
     in place (16 rows at its row stride), and x, at most a few blocks of 32 rows, is what is
-    packed into pairs, once per call before the parallel loop over the weight's blocks (its
-    blocks in parallel too: packed by one thread, x of 128 x 512 cost 20% of the call at N =
-    K = 512, and the kernel ran at 0.79x F.linear against 0.94-0.98x in parallel). Each
-    32 x 32 sum holds out^T: the epilogue reads it transposed (a gather per 32 outputs)."""
+    packed into pairs, once per call before the parallel loop over the weight's blocks (by one
+    thread: packing its blocks in parallel measured -11% to +9% against it, kernels alone,
+    M = 64 to 128, the same code paths differing by as much between runs). Each 32 x 32 sum
+    holds out^T: the epilogue reads it transposed (a gather per 32 outputs)."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -302,7 +302,7 @@ def _amx_dot_func(spec: GemmSpec):
             # x as 32-bit pairs, each block of 32 rows transposed into a panel of pairs
             x_words = T.decl_buffer((M * (K // 2),), "float32", data=A.data)
             x_pairs = T.alloc_buffer((x_blocks * panel_words,), "float32", align=64)
-            with T.parallel(i64(0), x_blocks) as xb:
+            with T.serial(i64(0), x_blocks) as xb:
                 _pack_nk(T, tirx, x_words, x_pairs, xb * panel_words, xb, i64(K), M, steps)
             w_words = T.decl_buffer((N * K,), "uint16", data=B.data)
 
