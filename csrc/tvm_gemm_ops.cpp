@@ -81,12 +81,10 @@ struct Config {
   struct {
     int64_t max_m = 0, max_x_bytes = 0;
   } amx_dot;
-  // "swap" (float32 "nk", static K): M in [min_m, max_m], at most slack rows short of whole
-  // panels of panel rows, K <= max_k, more than one panel only if N >= wide_min_n, or, where
-  // the panels do not fit together (panels x K > max_k), N >= deep_min_n
-  // (schedules/cpu.py SWAP_* and swap_max_k); max_m 0: never.
+  // "swap" (float32 "nk", static K): M in [min_m, max_m] (one panel of x), K <= max_k
+  // (schedules/cpu.py SWAP_MIN_M, SWAP_MAX_M and swap_max_k); max_m 0: never.
   struct {
-    int64_t min_m = 0, max_m = 0, panel = 1, slack = 0, max_k = 0, wide_min_n = 0, deep_min_n = 0;
+    int64_t min_m = 0, max_m = 0, max_k = 0;
   } swap;
   // The one-panel swap variants "swap32" and "swap48" (kVariants[6], [7]; float32 "nk", static
   // K): M in [min_m, max_m], N >= min_n, K <= max_k (schedules/cpu.py ONE_PANEL_SWAPS and
@@ -203,11 +201,8 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
     return 2;
   }
   const auto& swap = g_config.swap;
-  const int64_t swap_panels = (m + swap.panel - 1) / swap.panel;
   if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
-      swap_panels * swap.panel - m <= swap.slack && k <= swap.max_k &&
-      (swap_panels == 1 ||
-       n >= (swap_panels * k > swap.max_k ? swap.deep_min_n : swap.wide_min_n))) {
+      k <= swap.max_k) {
     return 4;
   }
   const auto& ksplit = g_config.ksplit;
@@ -626,12 +621,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(amx_dot.empty() || amx_dot.size() == 2,
               "tvm_gemm: amx_dot must be (max_m, max_x_bytes)");
   if (!amx_dot.empty()) config.amx_dot = {amx_dot[0], amx_dot[1]};
-  TORCH_CHECK(swap.empty() || (swap.size() == 7 && swap[2] > 0),
-              "tvm_gemm: swap must be (min_m, max_m, panel, slack, max_k, wide_min_n, "
-              "deep_min_n)");
-  if (!swap.empty()) {
-    config.swap = {swap[0], swap[1], swap[2], swap[3], swap[4], swap[5], swap[6]};
-  }
+  TORCH_CHECK(swap.empty() || swap.size() == 3, "tvm_gemm: swap must be (min_m, max_m, max_k)");
+  if (!swap.empty()) config.swap = {swap[0], swap[1], swap[2]};
   TORCH_CHECK(ksplit.empty() || (ksplit.size() == 3 && ksplit[2] > 0),
               "tvm_gemm: ksplit must be (max_m, min_n, n_multiple)");
   if (!ksplit.empty()) config.ksplit = {ksplit[0], ksplit[1], ksplit[2]};

@@ -195,24 +195,13 @@ def test_linear_one_panel_swap_variants(m, act, variant):
     check_swap(m, max(100, cpu.ONE_PANEL_SWAPS[variant][2] + 5), act, variant=variant)
 
 
-@pytest.mark.parametrize(("m", "act"), [(121, "gelu"), (128, "none")])
-def test_linear_swap_two_panels(m, act):
-    # A vocabulary-wide output at M of two panels (7 rows short, whole): the swap kernel over
-    # both panels of x; N off the 48-row tasks, K off the vectors; a NaN stays in its row.
+@pytest.mark.parametrize(("m", "act"), [(57, "gelu"), (64, "relu")])
+def test_linear_swap_long_k(m, act):
+    # The longest K the swap kernel takes (its panel of x in half the L2) and one short of it,
+    # off the vectors; N off the tiles; a NaN stays in its row.
     from torch_tvm_gemm.schedules import cpu
 
-    check_swap(m, cpu.SWAP_WIDE_MIN_N + 5, act)
-
-
-@pytest.mark.parametrize(("m", "act"), [(121, "relu"), (128, "gelu")])
-def test_linear_swap_two_panels_long_k(m, act):
-    # A K whose two panels of x outgrow half the L2: the kernel takes one panel at a time
-    # (the panel loop outside the parallel one); N and K off the tiles and vectors.
-    from torch_tvm_gemm.schedules import cpu
-
-    k = cpu.swap_max_k() // 2 + 5
-    assert cpu.swap_panel_outside(k) and not cpu.swap_panel_outside(k - 5)
-    check_swap(m, cpu.SWAP_DEEP_MIN_N + 5, act, k)
+    check_swap(m, 101, act, cpu.swap_max_k() - (m % 2) * 3)
 
 
 def test_swap_variant_rule():
@@ -233,26 +222,10 @@ def test_swap_variant_rule():
     assert gemm_variant(64, 768, 768, "nk", dtype="bfloat16") == ("dot" if amx else "gemm")
     assert gemm_variant(64, 768, 768, "nk", static_k=False) == "gemm"
     assert gemm_variant(64, 768, 11008, "nk") == "gemm"  # a panel of x past half the L2
-    # Two panels for wide outputs only, and only while both panels of x fit the L2 together.
-    from torch_tvm_gemm.schedules import cpu
-
-    wide = cpu.SWAP_WIDE_MIN_N
-    assert [gemm_variant(m, wide, 768, "nk") for m in (119, 120, 128, 129)] == [
-        "gemm",
-        "swap",
-        "swap",
-        "gemm",
-    ]
-    assert gemm_variant(128, wide - 1, 768, "nk") == "gemm"
-    half_k, deep = cpu.swap_max_k() // 2, cpu.SWAP_DEEP_MIN_N
-    assert gemm_variant(128, wide, half_k, "nk") == "swap"
-    assert gemm_variant(64, wide, half_k + 1, "nk") == "swap"
-    # Past that K, one panel at a time: two panels from N = SWAP_DEEP_MIN_N, up to swap_max_k.
-    assert gemm_variant(128, deep, half_k, "nk") == "gemm"
-    assert gemm_variant(128, deep, half_k + 1, "nk") == "swap"
-    assert gemm_variant(120, wide, cpu.swap_max_k(), "nk") == "swap"
-    assert gemm_variant(128, deep - 1, half_k + 1, "nk") == "gemm"
-    assert gemm_variant(128, wide, cpu.swap_max_k() + 1, "nk") == "gemm"
+    # One panel of x only: at M = 120-128 the packed kernel, whatever N and K.
+    assert [
+        gemm_variant(m, n, k, "nk") for m in (120, 128) for n, k in [(50257, 768), (768, 3072)]
+    ] == ["gemm"] * 4
 
 
 def test_one_panel_swap_variant_rule():

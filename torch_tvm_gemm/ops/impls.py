@@ -124,15 +124,7 @@ def use_impl(path: str) -> str:
             [DTYPE_NAMES[d] for d in SUPPORTED_DTYPES],
             KERNEL_ALIGNMENT["cpu"],
             DOT2_MAX_M,
-            [
-                cpu_schedules.SWAP_MIN_M,
-                cpu_schedules.SWAP_MAX_M,
-                cpu_schedules.SWAP_PANEL,
-                cpu_schedules.SWAP_SLACK,
-                cpu_schedules.swap_max_k(),
-                cpu_schedules.SWAP_WIDE_MIN_N,
-                cpu_schedules.SWAP_DEEP_MIN_N,
-            ],
+            [cpu_schedules.SWAP_MIN_M, cpu_schedules.SWAP_MAX_M, cpu_schedules.swap_max_k()],
             huge_output_bytes=huge_pages.huge_output_bytes(),
             amx_dot=list(cpu_schedules.amx_dot_limits()),
             ksplit=[

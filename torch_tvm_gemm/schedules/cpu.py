@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 18  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 19  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -68,30 +68,24 @@ DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 re
 # 0.91x at 768 x 768).
 DOT2_MAX_M = 2
 DOT2_TILE = (2, 10)
-# The "swap" variant: M in [SWAP_MIN_M, SWAP_MAX_M], at most SWAP_SLACK rows short of whole
-# panels of SWAP_PANEL rows, K at most swap_max_k (a panel of x, K x 64 floats, in half the L2,
-# as for the packed kernel's panel of B). Measured through the op (bench-inference, 2 threads,
-# quiet Intel Xeon, two runs each, torch = 1), packed kernel -> swap: M=64 1.00-1.03 ->
-# 1.27-1.37x at 4096x4096, 1.06-1.15 -> 1.45-1.52x at N=11008 K=4096, 1.10-1.22 -> 1.16-1.31x
-# at 768x768; M=56 0.96-1.04 -> 1.17-1.24x at 4096x4096; M=120 and 128 (two panels)
-# 0.95-1.04 -> 0.85-0.97x at 4096x4096. M=48 (16 rows short) was mixed. More than one panel
-# only for wide outputs (N >= SWAP_WIDE_MIN_N: vocabulary projections) whose panels of x fit
-# together (panels x K <= swap_max_k); M=120-128, plain, packed -> two panels (same run, 2
-# threads, quiet Intel Xeon): N=50257 K=768 (GPT-2's lm_head) 0.92-0.96 -> 1.04-1.05x, N=32000
-# K=768 0.95 -> 1.02x, N=16384 K=1024 1.07 -> 1.15x, N=50257 K=1600 1.15 -> 1.30x; narrower N
-# lost: N=512..1376 0.95-1.13 -> 0.78-0.98x, N=768/3072 even. GPT-2 (4 layers) b1 1.00-1.03 ->
-# 1.05-1.08x end to end.
-# Where the panels of x do not fit half the L2 together (panels x K > swap_max_k: a long K),
-# the kernel takes one panel at a time, all of the weight for each (the panel loop outside the
-# parallel one), and two panels pay for N >= SWAP_DEEP_MIN_N. Kernels alone, M=128, bias +
-# relu, 2 threads, quiet Intel Xeon, packed -> swap, panel loop outside (inside): N=768 K=3072
-# 1.05 -> 1.13x (1.06x), 4096x4096 1.02 -> 1.15x (1.02x), N=11008 K=4096 1.04 -> 1.26x (1.13x),
-# N=1024 K=4096 1.03 -> 1.09x, N=2048 K=2560 1.06 -> 1.09x; N=512 K=3072 1.07 -> 0.96x; M=120
-# even (1.04-1.10x either way); at K=768 (N=3072, GELU) no gain: 1.00 -> 0.99x.
+# The "swap" variant: M within SWAP_SLACK rows of one panel of SWAP_PANEL rows, K at most
+# swap_max_k (the panel of x, K x 64 floats, in half the L2, as for the packed kernel's panel
+# of B). Measured through the op (bench-inference, 2 threads, quiet Intel Xeon at ~3.5 GHz,
+# two runs each, torch = 1), packed kernel -> swap: M=64 1.00-1.03 -> 1.27-1.37x at
+# 4096x4096, 1.06-1.15 -> 1.45-1.52x at N=11008 K=4096, 1.10-1.22 -> 1.16-1.31x at 768x768;
+# M=56 0.96-1.04 -> 1.17-1.24x at 4096x4096. M=48 (16 rows short) was mixed. On a 2.0 GHz
+# Intel Xeon of the same family (FMA probe 247 GFLOPS on 2 threads, no turbo), kernels alone,
+# the same comparison is 1.08-1.18 -> 0.95-1.25x (M=56-64, seven BERT/LLaMA shapes): kept for
+# the large gain on the faster machine.
+# One panel only. Two panels (M=120-128, the weight read once per panel) won on the 3.5 GHz
+# machine for long K (N=768 K=3072 1.05 -> 1.13x, 4096x4096 1.02 -> 1.15x) and for vocabulary
+# projections (GPT-2's lm_head 0.92-0.96 -> 1.04-1.05x), but lost on the 2.0 GHz one, kernels
+# alone, packed -> two panels: N=768 K=3072 1.06-1.07 -> 0.84x, 4096x4096 1.07-1.14 ->
+# 0.71-0.79x, N=50257 K=768 1.00 -> 0.83x, N=32000 K=768 (M=120) 0.98 -> 0.80x: the packed
+# kernel is the one that holds on both.
 SWAP_PANEL = 64
-SWAP_MIN_M, SWAP_MAX_M, SWAP_SLACK = 56, 128, 8
-SWAP_WIDE_MIN_N = 16384
-SWAP_DEEP_MIN_N = 768
+SWAP_SLACK = 8
+SWAP_MIN_M, SWAP_MAX_M = SWAP_PANEL - SWAP_SLACK, SWAP_PANEL
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 # The one-panel swap variants: the swap kernel for M within SWAP_SLACK rows of one panel of 32
 # or 48 rows of x, its tile the panel's rows by 12 / 8 columns of the result (24 accumulators:
@@ -193,21 +187,7 @@ def _one_panel_swap_fits(variant: str, m: int, n: int, k: int) -> bool:
 
 
 def _swap_fits(m: int, n: int, k: int) -> bool:
-    panels = -(-m // SWAP_PANEL)
-    short = panels * SWAP_PANEL - m  # padded rows
-    max_k = swap_max_k()
-    return (
-        SWAP_MIN_M <= m <= SWAP_MAX_M
-        and short <= SWAP_SLACK
-        and k <= max_k
-        and (panels == 1 or n >= (SWAP_DEEP_MIN_N if panels * k > max_k else SWAP_WIDE_MIN_N))
-    )
-
-
-def swap_panel_outside(k: int, cpu: CpuInfo | None = None) -> bool:
-    """Whether the swap kernel for this K takes x one panel at a time (all of the weight for
-    each), which it does when the most panels it is called with do not fit half the L2."""
-    return -(-SWAP_MAX_M // SWAP_PANEL) * k > swap_max_k(cpu)
+    return SWAP_MIN_M <= m <= SWAP_MAX_M and k <= swap_max_k()
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -270,11 +250,9 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     elif spec.variant == "swap" or spec.variant in ONE_PANEL_SWAPS:
         if spec.b_layout != "nk" or spec.dtype != "float32" or spec.k is None:
             raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
-        one_panel = spec.variant in ONE_PANEL_SWAPS
         panel, (rows, tiles), _ = ONE_PANEL_SWAPS.get(spec.variant, (SWAP_PANEL, SWAP_TILE, 0))
         sch = s_tir.Schedule(gemm_compute(spec, panel, rows * tiles, padded_epilogue=True))
-        outside = not one_panel and swap_panel_outside(spec.k, cpu)
-        _schedule_swapped(sch, panel, rows, tiles, vec, outside)
+        _schedule_swapped(sch, panel, rows, tiles, vec)
     elif spec.variant == "ksplit":
         tasks = -(-spec.k // cpu_gemv.ksplit_rows(spec.k))
         return cpu_gemv.gemv_kn_ksplit_module(spec, vec, _gemv_parallel(spec, tasks))
@@ -335,17 +313,13 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     sch.decompose_reduction(acc, k)
 
 
-def _schedule_swapped(
-    sch, panel: int, rows: int, tiles: int, vec: int, panel_outside: bool
-) -> None:
+def _schedule_swapped(sch, panel: int, rows: int, tiles: int, vec: int) -> None:
     """The "swap" variants: per parallel task ``tiles`` x ``rows`` rows of the weight; for each
     panel of ``panel`` rows of x, each ``rows`` x ``panel`` tile of the transposed result sums
     in registers over all of K (``rows`` broadcasts of the weight, ``panel / vec`` vector loads
     of the panel a step). x is packed into panels first, all of it, in parallel, by 16 x 16
-    transposes.
-    ``panel_outside``: the panels one after the other, each a parallel loop over the tasks
-    (one panel in cache at a time); else each task runs all panels (its rows of the weight
-    read once from memory)."""
+    transposes. The rule calls it with one panel of x (``gemm_variant``); an M past that would
+    run the panels one after the other in each task."""
     a_pad, acc, out = sch.get_sblock("A_pad"), sch.get_sblock("acc"), sch.get_sblock("out")
     epi = sch.get_sblock("epi")
     sch.compute_inline(sch.get_sblock("B_pad"))  # the weight, read in place (rows clamped)
@@ -357,7 +331,7 @@ def _schedule_swapped(
     i, j, k = sch.get_loops(acc)
     io, iv, ii = sch.split(i, [None, panel // vec, vec])
     jo, jt, ji = sch.split(j, [None, tiles, rows])
-    sch.reorder(*((io, jo) if panel_outside else (jo, io)), jt, k, ji, iv, ii)
+    sch.reorder(jo, io, jt, k, ji, iv, ii)
     sch.reverse_compute_at(epi, jt)
     ei, ej = sch.get_loops(epi)[-2:]
     eiv, eii = sch.split(ei, [None, vec])
