@@ -449,6 +449,9 @@ at::Tensor matmul_2d(const at::Tensor& a, const at::Tensor& b,
 // The op impls (mirror gemm_ops.matmul_impl and gemm_ops.linear_impl).
 
 // t as 2-D (rows, last dim), like gemm_ops.rows: reshape(-1, K) would fail for K = 0.
+// An n-D result is allocated in its own shape and written through rows(out), never returned as
+// a view of a 2-D result: autograd refuses in-place writes into a view made inside an op
+// (gemm_ops.shaped_output).
 at::Tensor rows(const at::Tensor& t) {
   const c10::IntArrayRef sizes = t.sizes();
   const int64_t k = sizes.back();
@@ -491,12 +494,16 @@ at::Tensor matmul_impl(const at::Tensor& a, const at::Tensor& b) {
     // A plain 2-D product skips the reshapes: each would make a view (~0.2 us) of the same shape.
     if (a.dim() == 2) return matmul_2d(a, b);
     // (B, M, K) @ (K, N): one GEMM over all rows
-    return matmul_2d(rows(a), b).reshape({a.size(0), m, n});
+    at::Tensor out = empty_output({a.size(0), m, n}, a.options());
+    matmul_2d(rows(a), b, rows(out));
+    return out;
   }
   const int64_t ba = a.dim() == 3 ? a.size(0) : 1;
   const int64_t batch = ba == 1 ? b.size(0) : ba;
   if (b.size(0) == 1) {  // one B for the whole batch: one GEMM over all rows of a
-    return matmul_2d(rows(a), b.select(0, 0)).reshape({batch, m, n});
+    at::Tensor out = empty_output({batch, m, n}, a.options());
+    matmul_2d(rows(a), b.select(0, 0), rows(out));
+    return out;
   }
   return matmul_batched(a, b, batch, m, n);
 }
@@ -514,8 +521,9 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   if (x.dim() == 2) return gemm(x, w, /*b_nk=*/!kn, bias, act, /*static_k=*/true);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(weight.size(0));
-  const at::Tensor x2 = rows(x);
-  return gemm(x2, w, /*b_nk=*/!kn, bias, act, /*static_k=*/true).reshape(shape);
+  at::Tensor out = empty_output(shape, x.options());
+  gemm(rows(x), w, /*b_nk=*/!kn, bias, act, /*static_k=*/true, rows(out));
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -204,6 +204,14 @@ def rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def shaped_output(shape: list[int], like: Tensor) -> tuple[Tensor, Tensor]:
+    """(the op's output, its rows as the 2-D matrix the kernel writes). The output is the
+    allocation itself, not a view of a 2-D result: autograd refuses in-place writes into a
+    view made inside an op (``hidden[mask] = ...`` after a Linear, as wav2vec2 does)."""
+    out = huge_pages.empty(shape, like.dtype, like.device)
+    return out, rows(out)
+
+
 def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     # A transposed contiguous b (b = w.T, as in a Linear backward) is read in place as "nk".
     if not b.is_contiguous() and b.t().is_contiguous():
@@ -213,10 +221,10 @@ def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
 
 def matmul_impl(a: Tensor, b: Tensor) -> Tensor:
     shape = check_matmul(a, b)
-    if b.dim() == 2:  # (.., M, K) @ (K, N): one GEMM over all rows
-        return _matmul_2d(rows(a), b).reshape(shape)
-    if b.shape[0] == 1:  # one B for the whole batch: one GEMM over all rows of a
-        return _matmul_2d(rows(a), b[0]).reshape(shape)
+    if b.dim() == 2 or b.shape[0] == 1:  # one B for all rows of a: one GEMM
+        out, out_rows = shaped_output(shape, a)
+        _matmul_2d(rows(a), b if b.dim() == 2 else b[0], out=out_rows)
+        return out
     if kernel_device(a) != "cuda":
         return _matmul_batched(a, b, shape)
     batch, m, n = shape
@@ -261,9 +269,12 @@ def linear_impl(
     shape = check_linear(x, weight, bias, activation)
     # A weight that is the transpose of a contiguous (in, out) matrix (transformers' Conv1D
     # passes weight.t()) is read in place with the "kn" layout: no copy per call.
-    if not weight.is_contiguous() and weight.t().is_contiguous():
-        return gemm(rows(x), weight.t(), "kn", bias, activation).reshape(shape)
-    return gemm(rows(x), weight, "nk", bias, activation).reshape(shape)
+    kn = not weight.is_contiguous() and weight.t().is_contiguous()
+    out, out_rows = shaped_output(shape, x)
+    gemm(
+        rows(x), weight.t() if kn else weight, "kn" if kn else "nk", bias, activation, out=out_rows
+    )
+    return out
 
 
 # --- fake kernels ---------------------------------------------------------------------------
