@@ -157,6 +157,42 @@ def test_timm_style_conv_bn_identity_act_fuses():
     assert_close(model(x), expected, k=200)
 
 
+def same_padding(x, conv):
+    """TensorFlow's "SAME" padding for ``conv``: it branches on the input's size, so fx
+    cannot trace it (as transformers' MobileNet ``apply_tf_padding``)."""
+    size, stride, kernel = x.shape[-1], conv.stride[0], conv.kernel_size[0]
+    if size % stride == 0:
+        pad = max(kernel - stride, 0)
+    else:
+        pad = max(kernel - size % stride, 0)
+    return F.pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
+
+
+class SamePaddedConv(nn.Module):
+    def __init__(self, channels: int = 3, stride: int = 2):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(channels, 8, 3, stride, bias=False), bn(8)
+        self.act = nn.ReLU6()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(same_padding(x, self.conv))))
+
+
+def test_shape_dependent_helper_runs_as_one_call_and_the_conv_fuses():
+    model = nn.Sequential(SamePaddedConv(), SamePaddedConv(8, 1)).eval()
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    tg.convert(model)
+    summary = model.conversion_summary
+    assert summary.converted() == summary.found() == 2, summary
+    assert all("(folded)" in what for what in summary.layers.values()), summary.layers
+    assert list(model.state_dict()) == keys
+    # the helper runs at every call on the real input: even and odd sizes pad differently
+    for size in (10, 11):
+        x = randn(2, 3, size, size)
+        assert_close(model(x), reference(x), k=100)
+
+
 def test_second_user_is_not_fused_and_says_why():
     class M(nn.Module):
         def __init__(self):

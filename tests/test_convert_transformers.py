@@ -68,6 +68,13 @@ def mobilenet():
     return transformers.MobileNetV2Model(config), {"pixel_values": torch.randn(2, 3, 32, 32)}
 
 
+def mobilenet_tf_padding():
+    # The default config (that of the released checkpoints): TensorFlow-style padding, a
+    # helper that branches on the input's size before every conv. 33 x 33: uneven padding.
+    config = transformers.MobileNetV2Config(depth_multiplier=0.35, image_size=33)
+    return transformers.MobileNetV2Model(config), {"pixel_values": torch.randn(2, 3, 33, 33)}
+
+
 # family -> (model factory, {fqn suffix: what it must have become})
 FAMILIES = {
     "bert": (bert, {"intermediate.dense": "(gelu)", "attention.self.query": "swapped"}),
@@ -75,6 +82,10 @@ FAMILIES = {
     "llama": (llama, {"mlp.gate_proj": "(silu)", "mlp.down_proj": "swapped"}),
     "resnet": (resnet, {"shortcut.convolution": "(folded)", "layer.0.convolution": "activation"}),
     "mobilenet": (mobilenet, {"reduce_1x1.convolution": "(folded)"}),
+    "mobilenet_tf_padding": (
+        mobilenet_tf_padding,
+        {"conv_3x3.convolution": "(folded)", "reduce_1x1.convolution": "(folded)"},
+    ),
 }
 
 

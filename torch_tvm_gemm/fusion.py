@@ -245,6 +245,14 @@ def _replace(g: _Graph, last: fx.Node, new: fx.Node, dead: list[fx.Node]) -> Non
 
 
 def _swap_module(g: _Graph, target: str, module: nn.Module) -> None:
+    # Code that reads the conv module itself (a padding helper reading its stride and kernel
+    # size) keeps reading the original, kept under a name of its own in the graph module.
+    readers = [n for n in g.gm.graph.nodes if n.op == "get_attr" and n.target == target]
+    if readers:
+        kept = "_tvm_unfused_" + target.replace(".", "_")
+        g.gm.add_submodule(kept, g.modules[target])
+        for node in readers:
+            node.target = kept
     parent, _, name = target.rpartition(".")
     setattr(g.gm.get_submodule(parent) if parent else g.gm, name, module)
     g.modules[target] = module

@@ -4,7 +4,9 @@
 on their config and arguments, check shapes, build caches). ``convert`` does not need it to:
 
 1. It looks for the largest submodules that ``torch.fx`` can trace, top down: a module that
-   traces is a *region*; for one that does not, its children are tried. Inside a region,
+   traces is a *region*; for one that does not, its children are tried (a forward that
+   fails inside a helper function it calls is first traced again with that helper kept as
+   one opaque call: ``_helper_that_failed``). Inside a region,
    conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU) become one
    ``tvm_gemm.conv2d_bias_relu`` call and a linear
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
@@ -25,6 +27,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import traceback
 import types
 from collections import OrderedDict
 from collections.abc import Callable
@@ -196,14 +199,49 @@ def _trace(module: nn.Module) -> tuple[fx.GraphModule, inspect.Signature, dict, 
             concrete[param.name] = param.default  # traced with its default, and guarded
         elif not concrete:
             n_tensors += 1
-    try:
-        graph = _Tracer().trace(module, concrete_args=concrete or None)
-    except _Untraceable:
-        raise
-    except Exception as err:
-        raise _Untraceable(f"{type(err).__name__}: {_first_line(err)}") from None
+    wrapped: list[Callable] = []
+    while True:
+        try:
+            graph = _Tracer(autowrap_functions=tuple(wrapped)).trace(
+                module, concrete_args=concrete or None
+            )
+            break
+        except _Untraceable:
+            raise
+        except Exception as err:
+            helper = _helper_that_failed(err)
+            if helper is None or helper in wrapped or len(wrapped) == _MOST_WRAPPED_HELPERS:
+                raise _Untraceable(f"{type(err).__name__}: {_first_line(err)}") from None
+            wrapped.append(helper)
     gm = fx.GraphModule(module, graph, class_name=f"Traced{type(module).__name__}")
     return gm, signature, concrete, n_tensors
+
+
+# A forward that calls a module-level helper which branches on its input's shape (MobileNet's
+# TensorFlow-style padding, ``apply_tf_padding(features, self.convolution)``) does not trace;
+# traced again with that helper as one opaque call, the rest of the forward (conv -> BN ->
+# activation) does. The helper then runs as written, on the real tensors, at every call.
+_MOST_WRAPPED_HELPERS = 8
+
+
+def _helper_that_failed(err: Exception) -> Callable | None:
+    """The plain function (defined at a module's top level, outside torch) that a module's
+    ``forward`` called and inside which tracing failed, or None."""
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    forwards = [
+        i
+        for i, frame in enumerate(frames)
+        if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("self"), nn.Module)
+    ]
+    if not forwards or forwards[-1] + 1 == len(frames):
+        return None
+    callee = frames[forwards[-1] + 1]
+    helper = callee.f_globals.get(callee.f_code.co_name)
+    if not inspect.isfunction(helper) or helper.__code__ is not callee.f_code:
+        return None  # a method, a closure, a lambda
+    if (helper.__module__ or "").split(".")[0] == "torch":
+        return None  # torch's own code (fx's tracing machinery among it)
+    return helper
 
 
 def _first_line(err: Exception) -> str:

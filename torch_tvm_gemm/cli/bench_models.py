@@ -76,8 +76,8 @@ def build(name: str, layers: int):
     elif name == "resnet50":
         model = transformers.ResNetModel(transformers.ResNetConfig())  # the ResNet-50 layout
     else:
-        config = transformers.MobileNetV2Config(tf_padding=False)  # symmetric padding
-        model = transformers.MobileNetV2Model(config)
+        # the default config, as the released checkpoints: TensorFlow-style padding
+        model = transformers.MobileNetV2Model(transformers.MobileNetV2Config())
     if name in ("bert", "gpt2", "llama"):
         vocab = model.config.vocab_size
         text["make"] = lambda b, s, i: {"input_ids": torch.randint(0, vocab, (b, s))}
