@@ -115,6 +115,23 @@ def test_training_step_matches_eager():
         assert_close(q.grad, p.grad, k=200)
 
 
+def test_region_traced_in_eval_runs_its_own_forward_in_training():
+    # The fusion drops the eval-mode Dropout between the linear and its ReLU: in training
+    # mode the module's own forward (dropout included) must run instead of the fused graph.
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    tg.convert(model.eval())
+    assert "(relu)" in model.conversion_summary.layers["0"], model.conversion_summary.layers
+    x = randn(8, 16)
+    for mode in ("train", "eval", "train"):
+        for m in (model, reference):
+            getattr(m, mode)()
+        torch.manual_seed(5)
+        got = model(x)
+        torch.manual_seed(5)
+        assert_close(got, reference(x), k=16)
+
+
 def test_call_outside_the_trace_runs_the_module_forward():
     class Gate(nn.Module):
         def __init__(self):

@@ -19,7 +19,8 @@ The model object stays the user's: same class, same attributes, same call signat
 outputs, same ``state_dict`` keys. A region with fusions runs its traced, fused graph
 (kept out of the module tree, so it adds no ``state_dict`` entries) from a ``forward`` set on
 that module; a call the trace does not cover (an argument that was ``None`` or a flag at
-trace time now set otherwise) runs the module's own forward, on the swapped layers.
+trace time now set otherwise, or the module switched between eval and training mode since)
+runs the module's own forward, on the swapped layers.
 """
 
 from __future__ import annotations
@@ -150,8 +151,13 @@ class _Traced:
     signature: inspect.Signature
     concrete: dict  # argument name -> the non-tensor value the trace was specialised on
     n_tensors: int  # leading positional tensor arguments
+    # The region's mode at trace time: fx fixed its `self.training` branches, and the fusion
+    # dropped its eval-mode Dropouts; in the other mode the module's own forward runs.
+    training: bool
 
     def run(self, module: nn.Module, args: tuple, kwargs: dict):
+        if module.training != self.training:
+            return type(module).forward(module, *args, **kwargs)
         if not kwargs and len(args) == self.n_tensors and all(isinstance(a, Tensor) for a in args):
             return self.gm(*args)  # the common call: tensors only, defaults for the rest
         try:
@@ -358,7 +364,8 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
         records[prefix + target] = what
     if fused:
         inplace_residual_adds(gm)  # (its graph runs only where something was fused)
-        module.__dict__["_tvm_traced"] = _Traced(gm, signature, concrete, n_tensors)
+        traced = _Traced(gm, signature, concrete, n_tensors, module.training)
+        module.__dict__["_tvm_traced"] = traced
         module.forward = _RegionForward(module)
         summary.regions.append(fqn or "<top>")
 
@@ -400,8 +407,9 @@ def convert(
     BN folding uses the running statistics of eval-mode BatchNorms (refolded when the conv
     or BN tensors change, e.g. after ``load_state_dict``); a BN in training mode is not
     folded, and one switched to training mode after conversion runs as plain torch ops.
-    What ``torch.fx`` specialises at trace time stays so in a fused region: Python-level
-    branches on ``self.training`` or on shapes; convert a model in the mode it will run in.
+    A fused region runs its graph only in the mode it was traced in (fx fixes branches on
+    ``self.training``, the fusion drops eval-mode Dropouts); in the other mode the module's
+    own forward runs, on the swapped layers: convert a model in the mode it will run in.
 
     ``example_inputs`` (default None: kernels build on first use): after converting, build
     every kernel ``model(*example_inputs)`` needs, in parallel (``precompile``; a tuple is
