@@ -281,13 +281,43 @@ def test_linear_subclasses():
         def forward(self, x):
             return super().forward(x) * 2
 
-    model = nn.Sequential(Plain(8, 8), nn.ReLU(), Custom(8, 4))
+    class WrittenOut(nn.Linear):  # Falcon's FalconLinear: the plain linear, written out
+        def forward(self, x):
+            y = x @ self.weight.T
+            return y if self.bias is None else y + self.bias
+
+    class Functional(nn.Linear):
+        def forward(self, x):
+            return F.linear(x, self.weight, self.bias)
+
+    class LoRA(nn.Linear):  # the plain linear plus an update: not the op's function
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.a = nn.Parameter(randn(2, self.in_features))
+            self.b = nn.Parameter(randn(self.out_features, 2))
+
+        def forward(self, x):
+            return x @ self.weight.t() + self.bias + x @ self.a.t() @ self.b.t()
+
+    model = nn.Sequential(
+        Plain(8, 8),
+        nn.ReLU(),
+        Custom(8, 8),
+        WrittenOut(8, 8),
+        nn.GELU(),
+        WrittenOut(8, 8, bias=False),
+        Functional(8, 8),
+        LoRA(8, 4),
+    )
     x = randn(3, 8)
     expected = model(x)
     tg.convert(model)
     layers = model.conversion_summary.layers
     assert layers["0"].endswith("(relu)")
     assert layers["2"] == "left alone: Custom overrides nn.Linear.forward"
+    assert layers["3"].endswith("(gelu)"), layers
+    assert layers["5"] == layers["6"] == "swapped", layers
+    assert layers["7"] == "left alone: LoRA overrides nn.Linear.forward"
     assert_close(model(x), expected, k=8)
 
 

@@ -56,6 +56,14 @@ def llama():
     return transformers.LlamaModel(config), {"input_ids": torch.randint(0, 50, (2, 12))}
 
 
+def falcon():
+    # FalconLinear overrides nn.Linear.forward with the same function written out
+    config = transformers.FalconConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=50
+    )
+    return transformers.FalconModel(config), {"input_ids": torch.randint(0, 50, (2, 12))}
+
+
 def resnet():
     config = transformers.ResNetConfig(
         embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck"
@@ -80,6 +88,7 @@ FAMILIES = {
     "bert": (bert, {"intermediate.dense": "(gelu)", "attention.self.query": "swapped"}),
     "gpt2": (gpt2, {"mlp.c_fc": "(gelu_tanh)", "attn.c_attn": "swapped", "lm_head": "swapped"}),
     "llama": (llama, {"mlp.gate_proj": "(silu)", "mlp.down_proj": "swapped"}),
+    "falcon": (falcon, {"mlp.dense_h_to_4h": "(gelu)", "self_attention.dense": "swapped"}),
     "resnet": (resnet, {"shortcut.convolution": "(folded)", "layer.0.convolution": "activation"}),
     "mobilenet": (mobilenet, {"reduce_1x1.convolution": "(folded)"}),
     "mobilenet_tf_padding": (

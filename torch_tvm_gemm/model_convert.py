@@ -41,6 +41,7 @@ from torch import Tensor, fx, nn
 from .fold import TVMConv2dBN
 from .fusion import TVMConv2dBiasReLU, fuse_convs_in_graph
 from .inplace_adds import inplace_residual_adds
+from .linear_subclasses import note_subclasses
 from .model_precompile import PrecompileSummary, precompile, split_example_inputs
 from .nn import (
     TVMConv1D,
@@ -435,6 +436,7 @@ def convert(
         return _call_filter(linear_filter, model.get_submodule(fqn), fqn)
 
     records: dict[str, str] = {}
+    note_subclasses(model)  # (classifying traces: not while a region is traced)
     _convert_region(model, "", allowed, summary, records)
     # Module-level swap everywhere (inside regions too: a call their trace does not cover
     # runs the module's own forward, on these).

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .kernels.gemm import ACTIVATIONS
+from .linear_subclasses import note_subclasses, plain_forward
 from .ops import entry
 
 # transformers' activation classes (matched by name: transformers is optional), with the
@@ -152,7 +153,7 @@ def linear_kind(module: nn.Module) -> tuple[str | None, str]:
     if isinstance(module, (TVMLinear, TVMConv1D)):
         return None, ""
     if isinstance(module, nn.Linear):
-        if type(module).forward is not nn.Linear.forward:
+        if type(module).forward is not nn.Linear.forward and not plain_forward(module):
             return None, f"{type(module).__name__} overrides nn.Linear.forward"
         kind = "linear"
     elif is_conv1d(module):
@@ -192,8 +193,9 @@ def swap_linear(
 ) -> nn.Module:
     """Replace the linear layers of ``model`` (recursively, in place) by TVM modules.
 
-    Swapped: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` (-> ``TVMLinear``)
-    and transformers' ``Conv1D`` (-> ``TVMConv1D``); parameters are shared, not copied, so
+    Swapped: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` or whose own
+    forward is exactly the linear (``linear_subclasses.py``) (-> ``TVMLinear``) and
+    transformers' ``Conv1D`` (-> ``TVMConv1D``); parameters are shared, not copied, so
     tied weights stay tied and ``state_dict`` keys do not change. Not swapped: the
     ``out_proj`` of an ``nn.MultiheadAttention`` (the attention reads its weight directly,
     never calls it). ``filter_fn(module, fqn)`` chooses which layers to swap (default: all).
@@ -217,6 +219,7 @@ def swap_linear_layers(
     (``"swapped"``, ``"swapped + <act>"`` or ``"left alone: <reason>"``). Layers whose fqn
     ``skip`` accepts are not visited (their record is the caller's)."""
     record: dict[str, str] = {}
+    note_subclasses(model)
     _swap(model, prefix, filter_fn, activation_fusion, record, skip or (lambda fqn: False))
     return record
 
