@@ -210,6 +210,90 @@ def test_shape_dependent_helper_runs_as_one_call_and_the_conv_fuses():
         assert_close(model(x), reference(x), k=100)
 
 
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d: a BatchNorm2d subclass that computes its BN with F.batch_norm
+    (after a check of the input's rank), then its own ``drop`` and ``act``."""
+
+    def __init__(self, channels: int, act: nn.Module):
+        super().__init__(channels)
+        self.drop, self.act = nn.Identity(), act
+        with torch.no_grad():
+            self.running_mean.uniform_(-1, 1)
+            self.running_var.uniform_(0.5, 2)
+            self.weight.uniform_(0.5, 1.5)
+            self.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        torch._assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
+        training = self.training
+        x = F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, training, 0.1, self.eps
+        )
+        return self.act(self.drop(x))
+
+
+class NormActBlock(nn.Module):
+    """timm's ConvNormAct twice, the second without activation, then a residual add."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), BatchNormAct(8, act)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 1, bias=False), BatchNormAct(8, nn.Identity())
+        self.drop_path = nn.Identity()
+
+    def forward(self, x):
+        return x + self.drop_path(self.bn2(self.conv2(self.bn1(self.conv1(x)))))
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.ReLU(inplace=True)], ids=["silu", "relu"])
+def test_timm_batchnormact_folds_with_its_activation(act):
+    model = NormActBlock(act).eval()
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    assert layers["conv1"].endswith("(folded) -> bn1_act"), layers
+    assert layers["conv2"].endswith("(folded)"), layers
+    assert list(model.state_dict()) == keys
+    x = randn(2, 8, 9, 10)
+    assert_close(model(x), reference(x), k=100)
+    # One BN put back in training mode (the region still in eval): batch statistics, the BN
+    # module's own activation once
+    for m in (model, reference):
+        m.bn1.train()
+    assert_close(model(x), reference(x), k=100)
+
+
+def test_timm_batchnormact_with_an_activation_not_fused_stays():
+    model = NormActBlock(nn.LeakyReLU()).eval()
+    reference = copy.deepcopy(model)
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    assert layers["conv1"].startswith("left alone: BN module bn1 runs more"), layers
+    assert "(folded)" in layers["conv2"], layers
+    x = randn(2, 8, 9, 10)
+    assert_close(model(x), reference(x), k=100)
+
+
+def test_grouped_conv_on_the_untuned_kernel_is_left_to_torch():
+    from torch_tvm_gemm.schedules.cpu_conv2d import untuned_groups
+
+    # RegNetX: groups of 8 channels (not whole vectors here), then groups of whole vectors
+    narrow = nn.Conv2d(32, 32, 3, padding=1, groups=4, bias=False)
+    wide = nn.Conv2d(32, 64, 3, padding=1, groups=2, bias=False)
+    model = nn.Sequential(narrow, bn(32), nn.ReLU(), wide, bn(64), nn.ReLU()).eval()
+    reference = copy.deepcopy(model)
+    tg.convert(model)
+    layers = model.conversion_summary.layers
+    if untuned_groups(32, 32, 4, "float32"):
+        assert layers["0"].startswith("left alone: groups=4 of 8 output channels"), layers
+    else:  # (a CPU whose vectors hold 8 floats runs it on the blocked kernel)
+        assert "(folded)" in layers["0"], layers
+    assert "(folded)" in layers["3"], layers
+    x = randn(2, 32, 7, 9)
+    assert_close(model(x), reference(x), k=300)
+
+
 def test_second_user_is_not_fused_and_says_why():
     class M(nn.Module):
         def __init__(self):

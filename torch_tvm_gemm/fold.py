@@ -90,7 +90,11 @@ class TVMConv2dBN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources
         if bn.training:  # switched back to training: batch statistics, no folding
-            return torch_activation(self.activation)(bn(conv(x)))
+            y = bn(conv(x))
+            # (a BN subclass, timm's BatchNormAct2d, applied the fused activation itself)
+            if type(bn).forward is not nn.BatchNorm2d.forward:
+                return y
+            return torch_activation(self.activation)(y)
         weight, bias = self._weights()
         unbatched = x.dim() == 3
         y = CONV_OP(

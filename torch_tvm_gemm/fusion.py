@@ -13,7 +13,10 @@ three patterns into the fused op, leaving everything else alone:
    reshaped / viewed / unsqueezed / indexed) -> ReLU;
 3. ``Conv2d`` -> ``BatchNorm2d`` (eval mode, running stats) -> ReLU, by folding the BN into
    a copy of the conv's weight and bias first; with no ReLU after the BN, the folded conv
-   runs without one.
+   runs without one. The BN may also be a BatchNorm2d subclass that the trace went into,
+   seen as ``F.batch_norm`` on its own buffers followed by its own children (timm's
+   ``BatchNormAct2d``: ``drop``, ``act``), folded with all of them or not at all; reads of
+   the conv output's metadata (its ``_assert(x.ndim == 4)``) do not count as users.
 
 ``nn.Identity`` and eval-mode / ``p=0`` ``nn.Dropout`` modules between the pieces are
 no-ops and do not block a match (timm's ``conv -> bn -> drop_block (Identity) -> act``).
@@ -34,6 +37,8 @@ from torch import Tensor, fx, nn
 
 from .conv_module import CONV_OP, TVMConv2dBiasReLU, conv_padding
 from .fusion_activations import conv_activation_of
+from .ops.checks import DTYPE_NAMES
+from .schedules.cpu_conv2d import untuned_groups
 
 log = logging.getLogger("torch_tvm_gemm")
 
@@ -67,8 +72,11 @@ _VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, operator.getitem}
 class _Graph:
     """The traced model with the queries the matchers need."""
 
-    def __init__(self, gm: fx.GraphModule, fold=None) -> None:
+    def __init__(self, gm: fx.GraphModule, fold=None, root: nn.Module | None = None) -> None:
         self.gm = gm
+        # The module traced: gm's hierarchy holds only what the graph calls or reads (a
+        # module traced through, timm's BatchNormAct2d, is an empty container there).
+        self.root = root
         # How a conv -> BN pair becomes one module: _fold_bn (a snapshot) by default.
         self.fold = fold or _fold_bn
         self.modules = dict(gm.named_modules())
@@ -110,9 +118,24 @@ def _is_transparent(g: _Graph, node: fx.Node) -> bool:
     return type(mod) is nn.Dropout and (not mod.training or mod.p == 0)
 
 
-def _next(g: _Graph, node: fx.Node, passed: list[fx.Node]) -> fx.Node | None:
-    """``node``'s sole user, looking through transparent modules (appended to ``passed``)."""
-    user = _sole_user(node)
+# Reads of a tensor's metadata only (timm's ``_assert(x.ndim == 4)`` in BatchNormAct2d).
+_METADATA_ATTRS = {"ndim", "shape", "dtype", "device"}
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] in _METADATA_ATTRS
+    return node.op == "call_method" and node.target in ("dim", "size")
+
+
+def _next(
+    g: _Graph, node: fx.Node, passed: list[fx.Node], metadata_ok: bool = False
+) -> fx.Node | None:
+    """``node``'s sole user, looking through transparent modules (appended to ``passed``).
+    ``metadata_ok``: users that read only ``node``'s metadata do not count (for a node the
+    fusion keeps as the fused output, whose shape, dtype and device are the same)."""
+    users = [u for u in node.users if not (metadata_ok and _reads_metadata(u))]
+    user = users[0] if len(users) == 1 else None
     while user is not None and _is_transparent(g, user):
         passed.append(user)
         user = _sole_user(user)
@@ -152,6 +175,12 @@ def _match_conv(g: _Graph, node: fx.Node) -> _Conv | str | None:
             return f"{node.name}: padding {conv.padding!r} / mode {conv.padding_mode!r}"
         if conv.weight.device.type != "cpu" or len(node.args) != 1 or node.kwargs:
             return f"{node.name}: not a plain call on a CPU Conv2d"
+        c, k, groups = conv.in_channels, conv.out_channels, conv.groups
+        if untuned_groups(c, k, groups, DTYPE_NAMES.get(conv.weight.dtype, "float32")):
+            return (
+                f"{node.name}: groups={groups} of {k // groups} output channels run an "
+                "untuned kernel here (torch's conv is faster)"
+            )
         return _Conv(
             node,
             node.args[0],
@@ -264,7 +293,8 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
     Raises ``_Skip`` with the reason when a pattern is there but must not be fused.
     """
     passed: list[fx.Node] = []  # transparent modules between the pieces
-    user = _next(g, conv.node, passed)
+    # (a conv module's node becomes the fused module's call: its metadata readers stay valid)
+    user = _next(g, conv.node, passed, metadata_ok=conv.module is not None)
     if user is None:
         last = passed[-1] if passed else conv.node
         if any(g.activation(u) or g.module(u, nn.BatchNorm2d) for u in last.users):
@@ -275,15 +305,19 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
     if act is not None:
         return _fuse_with_bias(g, conv, user, [user, *reversed(passed), conv.node], None, act, act)
     # 3. conv -> batchnorm [-> relu]
-    bn = g.module(user, nn.BatchNorm2d)
+    bn, own = g.module(user, nn.BatchNorm2d), None
+    if bn is None:
+        own, bn = _functional_bn(g, user, conv.node)
     if bn is not None:
         if conv.module is None or bn.training or bn.running_mean is None:
             raise _Skip(f"{conv.node.name}: BN {user.name} in training mode or without stats")
-        if g.calls[conv.node.target] != 1 or g.calls[user.target] != 1:
+        if g.calls[conv.node.target] != 1 or (own is None and g.calls[user.target] != 1):
             raise _Skip(f"{conv.node.name}: conv or BN module called more than once")
         after: list[fx.Node] = []
         relu = _next(g, user, after)
         act = g.activation(relu)
+        if own is not None:
+            _check_own_tail(g, conv, own, after, relu if act is not None else None)
         if act is None:
             # No activation: the folded conv runs without one; what follows stays as it was.
             note = "" if relu is None else _activation_note(g, relu)
@@ -293,9 +327,11 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
         _swap_module(g, conv.node.target, g.fold(conv.module, bn, act))
         _replace(g, relu, conv.node, [relu, *reversed(after), user, *reversed(passed)])
         return f"{conv.node.name} -> {user.name} (folded) -> {relu.name}"
-    # 2. conv(bias=None) -> add(bias view) -> relu
-    if user.op in ("call_function", "call_method") and (
-        user.target in _ADD_FUNCTIONS or user.target in ("add", "add_")
+    # 2. conv(bias=None) -> add(bias view) -> relu (a new node replaces the conv's: no
+    # metadata readers of it)
+    if len(conv.node.users) == 1 and (
+        user.op in ("call_function", "call_method")
+        and (user.target in _ADD_FUNCTIONS or user.target in ("add", "add_"))
     ):
         relu = _sole_user(user)
         act = g.activation(relu)
@@ -313,6 +349,66 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
             flat = g.gm.graph.call_method("reshape", (other, (-1,)))
         return _fuse_with_bias(g, conv, relu, [relu, user, conv.node], flat, f"add+{act}", act)
     return None
+
+
+_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_BN_DEFAULTS = (None, None, None, None, None, False, 0.1, 1e-5)
+
+
+def _functional_bn(
+    g: _Graph, node: fx.Node, x: fx.Node
+) -> tuple[str, nn.BatchNorm2d] | tuple[None, None]:
+    """(path, module) of the eval-mode BatchNorm2d whose own parameters and statistics an
+    ``F.batch_norm(x, ...)`` call at ``node`` uses: a BN subclass that computes its BN
+    functionally and then runs children of its own (timm's ``BatchNormAct2d``: the BN, its
+    ``drop``, its ``act``); else (None, None)."""
+    if node.op != "call_function" or node.target is not F.batch_norm:
+        return None, None
+    args = dict(zip(_BN_ARGS, _BN_DEFAULTS, strict=True))
+    args.update(zip(_BN_ARGS, node.args, strict=False))
+    args.update(node.kwargs)
+    mean = args["running_mean"]
+    if args["input"] is not x or args["training"] is not False or not isinstance(mean, fx.Node):
+        return None, None
+    if mean.op != "get_attr" or not mean.target.endswith(".running_mean"):
+        return None, None
+    path = mean.target.rpartition(".")[0]
+    try:
+        bn = g.root.get_submodule(path) if g.root is not None and path else None
+    except AttributeError:
+        bn = None
+    if not isinstance(bn, nn.BatchNorm2d) or bn.training or args["eps"] != bn.eps:
+        return None, None
+    for name in ("running_var", "weight", "bias"):
+        value = args[name]
+        if getattr(bn, name) is None:
+            if value is not None:
+                return None, None
+        elif not (isinstance(value, fx.Node) and value.op == "get_attr"):
+            return None, None
+        elif value.target != f"{path}.{name}":
+            return None, None
+    return path, bn
+
+
+def _check_own_tail(
+    g: _Graph, conv: _Conv, own: str, passed: list[fx.Node], act: fx.Node | None
+) -> None:
+    """A BN module computed functionally is folded only with all of its own children's calls
+    after its BN (its ``drop`` and ``act``) inside the fusion, and an activation fused only if
+    it is one of them: the folded module, with the BN put back in training mode, then calls
+    that BN module whole."""
+    inside = {n.target for n in passed} | ({act.target} if act is not None else set())
+    children = {
+        n.target
+        for n in g.gm.graph.nodes
+        if n.op == "call_module" and n.target.startswith(own + ".")
+    }
+    if not children <= inside or (act is not None and act.target not in children):
+        raise _Skip(
+            f"{conv.node.name}: BN module {own} runs more after its BN than the fusion takes "
+            "(an activation the conv op does not fuse?)"
+        )
 
 
 def _activation_note(g: _Graph, node: fx.Node) -> str:
@@ -367,7 +463,7 @@ def fuse_conv_bias_relu(model: nn.Module) -> FusionResult:
     a model in eval mode, for inference.
     """
     gm = _trace(model, "fuse_conv_bias_relu")
-    summary = fuse_convs_in_graph(gm)
+    summary = fuse_convs_in_graph(gm, root=model)
     log.info(
         "fuse_conv_bias_relu: fused %d conv2d+bias+relu, skipped %d%s",
         len(summary.fused),
@@ -378,14 +474,19 @@ def fuse_conv_bias_relu(model: nn.Module) -> FusionResult:
 
 
 def fuse_convs_in_graph(
-    gm: fx.GraphModule, fold=None, records: dict[str, str] | None = None
+    gm: fx.GraphModule,
+    fold=None,
+    records: dict[str, str] | None = None,
+    root: nn.Module | None = None,
 ) -> FusionSummary:
     """The conv fusions of ``fuse_conv_bias_relu`` on a traced ``gm`` (rewritten in place).
 
     ``fold(conv, bn, relu)`` makes the module for a conv -> BN pair (default: a snapshot,
     ``_fold_bn``). ``records`` gets, for each Conv2d module the graph calls, what happened.
+    ``root``: the module ``gm`` was traced from (where a BN module that the trace went into,
+    computing ``F.batch_norm`` on its own buffers, is found).
     """
-    g = _Graph(gm, fold)
+    g = _Graph(gm, fold, root)
     summary = FusionSummary()
     records = {} if records is None else records
     for node in list(gm.graph.nodes):

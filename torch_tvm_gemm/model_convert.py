@@ -358,7 +358,7 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
         return
     local: dict[str, str] = {}
     prefix = f"{fqn}." if fqn else ""
-    conv_summary = fuse_convs_in_graph(gm, fold=_live_fold, records=local)
+    conv_summary = fuse_convs_in_graph(gm, fold=_live_fold, records=local, root=module)
     fused = len(conv_summary.fused)
     fused += _fuse_linears(gm, lambda target: allowed(prefix + target), local)
     for target, what in local.items():

@@ -82,6 +82,18 @@ def pointwise_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
     )
 
 
+def untuned_groups(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo | None = None) -> bool:
+    """Whether a conv of these channels and groups runs the untuned "direct" kernel here:
+    grouped, not depthwise, and K / groups not a whole number of channel vectors (a group
+    width of 8, RegNetX's, on AVX-512). The model fusion leaves such convs to torch: timm's
+    regnetx_002 (2 threads, Intel Xeon, one process) converted with them ran at 1.04x / 0.71x
+    eager at batch 1 / 8, without them 1.03x / 1.14x."""
+    if groups == 1 or groups == c:
+        return False
+    cpu = cpu or host_cpu()
+    return (k // groups) % (cpu.vector_bytes // (8 if dtype == "float64" else 4)) != 0
+
+
 def _vec(spec: Conv2dSpec, cpu: CpuInfo) -> int:
     return cpu.vector_bytes // (8 if spec.acc_dtype == "float64" else 4)
 
