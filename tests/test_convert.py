@@ -374,6 +374,11 @@ def test_linear_subclasses():
         def forward(self, x):
             return F.linear(x, self.weight, self.bias)
 
+    class KeepsInput(nn.Linear):  # the plain linear in the graph, plus a side effect
+        def forward(self, x):
+            self.last_input = x
+            return F.linear(x, self.weight, self.bias)
+
     class LoRA(nn.Linear):  # the plain linear plus an update: not the op's function
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -403,6 +408,13 @@ def test_linear_subclasses():
     assert layers["5"] == layers["6"] == "swapped", layers
     assert layers["7"] == "left alone: LoRA overrides nn.Linear.forward"
     assert_close(model(x), expected, k=8)
+    # A forward with a side effect on the module is not the plain linear, and the trace that
+    # tells leaves nothing on the module itself
+    keeps = nn.Sequential(KeepsInput(8, 8))
+    tg.swap_linear(keeps)
+    assert type(keeps[0]) is KeepsInput and not hasattr(keeps[0], "last_input")
+    keeps(x)
+    assert keeps[0].last_input is x
 
 
 def test_tied_weights_stay_tied():
