@@ -151,6 +151,97 @@ def test_call_outside_the_trace_runs_the_module_forward():
     assert_close(model(x, mask=mask), expected_masked, k=8)
 
 
+class Recorder(nn.Module):
+    """Traceable tensor math with Python side effects on itself that a graph would skip."""
+
+    def __init__(self, effect: str):
+        super().__init__()
+        self.fc, self.effect, self.calls, self.inputs = nn.Linear(8, 8), effect, 0, []
+
+    def forward(self, x):
+        if self.effect == "assign":
+            self.last_input = x
+        elif self.effect == "count":
+            self.calls += 1
+        elif self.effect == "append":
+            self.inputs.append(x)
+        elif self.effect == "buffer":
+            self.register_buffer("seen", x)
+        return F.relu(self.fc(x))
+
+
+@pytest.mark.parametrize("effect", ["assign", "count", "append", "buffer"])
+def test_side_effects_on_modules_are_kept(effect):
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rec, self.mlp = Recorder(effect), nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+        def forward(self, x):
+            return self.mlp(self.rec(x))
+
+    model, x = Outer(), randn(3, 8)
+    expected = model(x)
+    model.rec.__dict__.pop("last_input", None)
+    model.rec.calls, model.rec.inputs = 0, []
+    model.rec._buffers.pop("seen", None)
+    before = dict(model.rec.__dict__)
+    tg.convert(model)
+    summary = model.conversion_summary
+    # The modules whose trace would skip the side effect run their own forward; the trace
+    # left nothing on them (no Proxy, no count, no appended input).
+    assert {"", "rec"} <= summary.untraced.keys() and "side effect" in summary.untraced["rec"]
+    assert summary.regions == ["mlp"] and summary.layers["rec.fc"] == "swapped"
+    assert model.rec.calls == 0 and model.rec.inputs == [] and "seen" not in model.rec._buffers
+    assert {k: v for k, v in model.rec.__dict__.items() if k != "_modules"} == {
+        k: v for k, v in before.items() if k != "_modules"
+    }
+    assert_close(model(x), expected, k=8)
+    assert_close(model(x), expected, k=8)
+    if effect == "assign":
+        assert model.rec.last_input is x
+    elif effect == "count":
+        assert model.rec.calls == 2
+    elif effect == "append":
+        assert len(model.rec.inputs) == 2 and model.rec.inputs[1] is x
+    else:
+        assert model.rec.seen is x
+
+
+def test_a_failed_trace_leaves_no_proxy_behind():
+    class AssignsThenBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.last_input = x
+            if x.sum() > 0:  # fx fails here, after the assignment
+                x = -x
+            return F.relu(self.fc(x))
+
+    model, x = AssignsThenBranches(), randn(2, 8)
+    tg.convert(model)
+    assert not hasattr(model, "last_input")
+    assert model(x) is not None and model.last_input is x
+
+
+def test_fuse_conv_bias_relu_refuses_a_side_effect():
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.calls = nn.Conv2d(3, 4, 3), 0
+
+        def forward(self, x):
+            self.calls += 1
+            return F.relu(self.conv(x))
+
+    model = Counts()
+    with pytest.raises(RuntimeError, match=r"fuse_conv_bias_relu.*changes calls.*side effect"):
+        tg.fuse_conv_bias_relu(model)
+    assert model.calls == 0
+
+
 class TimmBlock(nn.Module):
     """timm's ConvNormAct: conv -> bn -> drop (Identity) -> act."""
 

@@ -39,6 +39,7 @@ from .conv_module import CONV_OP, TVMConv2dBiasReLU, conv_padding
 from .fusion_activations import conv_activation_of
 from .ops.checks import DTYPE_NAMES
 from .schedules.cpu_conv2d import untuned_groups
+from .trace_guard import unchanged_by_trace
 
 log = logging.getLogger("torch_tvm_gemm")
 
@@ -522,7 +523,8 @@ def fuse_convs_in_graph(
 
 def _trace(model: nn.Module, caller: str) -> fx.GraphModule:
     try:
-        return fx.symbolic_trace(model)
+        with unchanged_by_trace(model):
+            return fx.symbolic_trace(model)
     except Exception as err:
         raise RuntimeError(
             f"torch_tvm_gemm.{caller}: torch.fx.symbolic_trace cannot trace "

@@ -14,12 +14,13 @@ classifies a model's layers up front (``convert`` and ``swap_linear`` call it fi
 
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+
+from .trace_guard import unchanged_by_trace
 
 _PLAIN: dict[tuple[type, bool], bool] = {}
 
@@ -44,16 +45,12 @@ def plain_forward(module: nn.Linear) -> bool:
 
 
 def _is_plain_linear(module: nn.Linear) -> bool:
-    # Traced on a copy with attribute dicts of its own: a forward with a Python side effect
-    # on the module (``self.last = x``, a call counter) leaves no node in the graph, so it
-    # would look plain; what the trace assigned shows on the copy instead, and disqualifies.
-    copy_ = _copy_with_own_dicts(module)
-    before = _state(copy_)
+    # A forward with a Python side effect on the module (``self.last = x``, a call counter)
+    # leaves no node in the graph, so it would look plain: the guard refuses it.
     try:
-        graph = fx.symbolic_trace(copy_).graph
+        with unchanged_by_trace(module):
+            graph = fx.symbolic_trace(module).graph
     except Exception:
-        return False
-    if _state(copy_) != before:
         return False
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output").args[0]
@@ -62,24 +59,6 @@ def _is_plain_linear(module: nn.Linear) -> bool:
     matched = _match(output, inputs[0], module.bias is not None)
     computed = {n for n in graph.nodes if n.op not in ("placeholder", "output")}
     return matched is not None and matched == computed
-
-
-_DICTS = ("_parameters", "_buffers", "_modules")
-
-
-def _copy_with_own_dicts(module: nn.Module) -> nn.Module:
-    copy_ = copy.copy(module)  # (its own __dict__; the dicts in it are the module's)
-    for name in _DICTS:
-        copy_.__dict__[name] = type(module.__dict__[name])(module.__dict__[name])
-    return copy_
-
-
-def _state(module: nn.Module) -> list[tuple[str, int]]:
-    """The identities of the module's attributes and of its parameters, buffers, children."""
-    items = [(k, id(v)) for k, v in module.__dict__.items() if k not in _DICTS]
-    for name in _DICTS:
-        items += [(f"{name}.{k}", id(v)) for k, v in module.__dict__[name].items()]
-    return sorted(items)
 
 
 def _match(out: fx.Node, x: fx.Node, has_bias: bool) -> set[fx.Node] | None:

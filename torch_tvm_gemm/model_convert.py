@@ -6,7 +6,8 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
 1. It looks for the largest submodules that ``torch.fx`` can trace, top down: a module that
    traces is a *region*; for one that does not, its children are tried (a forward that
    fails inside a helper function it calls is first traced again with that helper kept as
-   one opaque call: ``_helper_that_failed``). Inside a region,
+   one opaque call: ``_helper_that_failed``; a forward with a side effect on a module,
+   which the graph would skip, does not count as traceable: ``trace_guard``). Inside a region,
    conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU) become one
    ``tvm_gemm.conv2d_bias_relu`` call and a linear
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
@@ -52,6 +53,7 @@ from .nn import (
     swap_linear_layers,
     tvm_module_for,
 )
+from .trace_guard import SideEffect, unchanged_by_trace
 
 log = logging.getLogger("torch_tvm_gemm")
 
@@ -209,12 +211,15 @@ def _trace(module: nn.Module) -> tuple[fx.GraphModule, inspect.Signature, dict, 
     wrapped: list[Callable] = []
     while True:
         try:
-            graph = _Tracer(autowrap_functions=tuple(wrapped)).trace(
-                module, concrete_args=concrete or None
-            )
+            with unchanged_by_trace(module):
+                graph = _Tracer(autowrap_functions=tuple(wrapped)).trace(
+                    module, concrete_args=concrete or None
+                )
             break
         except _Untraceable:
             raise
+        except SideEffect as err:
+            raise _Untraceable(str(err)) from None
         except Exception as err:
             helper = _helper_that_failed(err)
             if helper is None or helper in wrapped or len(wrapped) == _MOST_WRAPPED_HELPERS:

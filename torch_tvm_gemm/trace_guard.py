@@ -1,0 +1,103 @@
+"""Tracing a user's module with ``torch.fx`` without changing it.
+
+fx runs the module's Python ``forward`` on proxies, and records tensor operations only: a
+Python side effect on a module (``self.last_input = x``, ``self.calls += 1``,
+``self.cache.append(x)``) leaves no node in the graph, so the traced graph would silently skip
+it, and the trace itself writes a ``Proxy`` onto the user's module. ``unchanged_by_trace``
+snapshots every module of the traced tree, puts each attribute back after the trace (whether
+it succeeded or failed) and raises ``SideEffect`` when the trace assigned something.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+_DICTS = ("_parameters", "_buffers", "_modules")
+_CONTAINERS = (list, dict, set)
+
+
+class SideEffect(Exception):
+    """The traced forward changed a module attribute: its graph would not do that."""
+
+
+@contextmanager
+def unchanged_by_trace(root: nn.Module) -> Iterator[None]:
+    """Restore every module under ``root`` after the block; raise ``SideEffect`` naming the
+    first attribute the block changed (only if the block itself raised nothing)."""
+    names = {id(m): name or "<top>" for name, m in root.named_modules(remove_duplicate=False)}
+    saved = [(m, _snapshot(m)) for m in root.modules()]
+    changed = None
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            attribute = _restore(module, before)
+            if changed is None and attribute is not None:
+                changed = f"{names[id(module)]}.{attribute}".removeprefix("<top>.")
+    if changed is not None:
+        raise SideEffect(f"tracing it changes {changed}, a side effect its traced graph would skip")
+
+
+def _snapshot(module: nn.Module) -> dict:
+    """Shallow copies of the module's attributes, of its parameter / buffer / child dicts,
+    and of the lists, dicts and sets among its attributes (one level deep)."""
+    attrs = dict(module.__dict__)
+    inner = {
+        key: type(value)(value)
+        for key, value in attrs.items()
+        if key in _DICTS or type(value) in _CONTAINERS
+    }
+    return {"attrs": attrs, "inner": inner}
+
+
+def _restore(module: nn.Module, before: dict) -> str | None:
+    """Put ``module`` back as ``before``; the name of an attribute that had changed, or None."""
+    changed = []
+    now = module.__dict__
+    for key in [k for k in now if k not in before["attrs"]]:
+        changed.append(key)
+        del now[key]
+    for key, value in before["attrs"].items():
+        if now.get(key, _MISSING) is not value:
+            changed.append(key)
+            now[key] = value
+    for key, saved in before["inner"].items():
+        value = now[key]
+        if not _same_contents(value, saved):
+            changed.append(f"{key.lstrip('_')}[{_first_difference(value, saved)!r}]")
+            if isinstance(value, list):
+                value[:] = saved
+            else:
+                value.clear()
+                value.update(saved)
+    return changed[0] if changed else None
+
+
+_MISSING = object()
+
+
+def _same_contents(value, saved) -> bool:
+    """Same elements by identity (``==`` on tensors would compare their values)."""
+    if len(value) != len(saved):
+        return False
+    if isinstance(value, dict):
+        return all(value.get(k, _MISSING) is v for k, v in saved.items())
+    if isinstance(value, set):
+        return {id(v) for v in value} == {id(v) for v in saved}
+    return all(a is b for a, b in zip(value, saved, strict=False))
+
+
+def _first_difference(value, saved):
+    if isinstance(value, dict):
+        for key in {**saved, **value}:
+            if value.get(key, _MISSING) is not saved.get(key, _MISSING):
+                return key
+    if isinstance(value, list):
+        return next(
+            (i for i, (a, b) in enumerate(zip(value, saved, strict=False)) if a is not b),
+            len(saved),
+        )
+    return "..."
