@@ -1,4 +1,4 @@
-"""The conv op's epilogues (``activation=``: relu6, hardswish, silu, relu, none) against torch:
+"""The conv op's epilogues (``activation=``: relu6, hardswish, silu, leaky_relu, relu, none) against torch:
 values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch_tvm_gemm.kernels.conv2d import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.measure import tolerance
 
 op = torch.ops.tvm_gemm.conv2d_bias_relu
-NEW = ["relu6", "hardswish", "silu"]
+NEW = ["relu6", "hardswish", "silu", "leaky_relu"]
 
 
 def reference(x, w, b, activation, padding=0, groups=1):

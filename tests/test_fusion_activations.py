@@ -27,6 +27,10 @@ ACTS = {
     "SiLU": (nn.SiLU(), "silu"),
     "SiLU-inplace": (nn.SiLU(inplace=True), "silu"),
     "F.silu": (F.silu, "silu"),
+    "LeakyReLU": (nn.LeakyReLU(), "leaky_relu"),
+    "LeakyReLU-inplace": (nn.LeakyReLU(0.01, inplace=True), "leaky_relu"),
+    "F.leaky_relu": (F.leaky_relu, "leaky_relu"),
+    "F.leaky_relu(0.01)": (lambda t: F.leaky_relu(t, negative_slope=0.01), "leaky_relu"),
 }
 
 
@@ -100,12 +104,21 @@ def test_functional_conv_add_bias_act_fuses(epilogue):
     assert_close(gm(x), model(x), k=27)
 
 
-def test_other_hardtanh_bounds_are_not_fused():
-    model = _with_stats(ConvAct(nn.Hardtanh(-1.0, 1.0), bn=True))
+@pytest.mark.parametrize(
+    "act, name",
+    [
+        (nn.Hardtanh(-1.0, 1.0), "Hardtanh"),
+        (nn.LeakyReLU(0.1), "LeakyReLU"),
+        (lambda t: F.leaky_relu(t, 0.2), "leaky_relu"),
+    ],
+    ids=["Hardtanh(-1,1)", "LeakyReLU(0.1)", "F.leaky_relu(0.2)"],
+)
+def test_other_bounds_and_slopes_are_not_fused(act, name):
+    model = _with_stats(ConvAct(act, bn=True))
     x = randn(2, 3, 10, 9)
     gm, summary = tg.fuse_conv_bias_relu(model)
-    assert _epilogues(gm) == ["none"]  # the BN is folded, the Hardtanh stays
-    assert "Hardtanh after it is not fused" in summary.fused[0]
+    assert _epilogues(gm) == ["none"]  # the BN is folded, the activation stays
+    assert f"{name} after it is not fused" in summary.fused[0]
     assert_close(gm(x), model(x), k=27)
 
 

@@ -2,7 +2,7 @@
 
 ``TVMConv2dBiasReLU`` (in ``conv_module``) is an ``nn.Conv2d`` subclass (same parameters, same ``state_dict``
 keys) computed by ``tvm_gemm.conv2d_bias_relu``, optionally with the activation that followed
-it: ReLU, ReLU6, hardswish or SiLU (see ``fusion_activations``), "ReLU" below.
+it: ReLU, ReLU6, hardswish, SiLU or leaky ReLU (see ``fusion_activations``), "ReLU" below.
 
 ``fuse_conv_bias_relu(model)`` traces the model with ``torch.fx.symbolic_trace`` and rewrites
 three patterns into the fused op, leaving everything else alone:
@@ -95,7 +95,7 @@ class _Graph:
         return mod if type(mod) is kind else None
 
     def activation(self, node: fx.Node | None) -> str | None:
-        """The conv epilogue ``node`` is (relu, relu6, hardswish, silu), or None."""
+        """The conv epilogue ``node`` is (relu, relu6, hardswish, silu, leaky_relu), or None."""
         return None if node is None else conv_activation_of(node, self.modules)
 
     def attr(self, target: str) -> Tensor:
@@ -414,7 +414,7 @@ def _check_own_tail(
 
 def _activation_note(g: _Graph, node: fx.Node) -> str:
     """Says that an activation after a folded conv stays a separate op (the conv op fuses
-    relu, relu6, hardswish and silu only)."""
+    relu, relu6, hardswish, silu and leaky_relu with slope 0.01 only)."""
     if node.op == "call_module":
         name = type(g.modules.get(node.target)).__name__
     elif node.op in ("call_function", "call_method"):
@@ -423,7 +423,7 @@ def _activation_note(g: _Graph, node: fx.Node) -> str:
         return ""
     if name.lower() in ("add", "add_", "iadd", "cat", "mul", "getitem"):
         return ""
-    return f"; {name} after it is not fused (the conv op fuses ReLU, ReLU6, hardswish, SiLU)"
+    return f"; {name} after it is not fused (the conv op fuses ReLU, ReLU6, hardswish, SiLU, LeakyReLU(0.01))"
 
 
 class _Skip(Exception):

@@ -2,8 +2,9 @@
 
 ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``,
 ``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
-(``nn.Hardswish``, ``F.hardswish``: MobileNetV3) and SiLU (``nn.SiLU``, ``F.silu``:
-EfficientNet), in place or not: the fused op writes a new tensor, and the in-place
+(``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``:
+EfficientNet) and leaky ReLU with torch's default slope 0.01 (``nn.LeakyReLU()``,
+``F.leaky_relu``: CSPNet, DarkNet; another slope is not fused), in place or not: the fused op writes a new tensor, and the in-place
 variant's input had no other user (the fusion checks).
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+
+from .kernels.epilogue import LEAKY_RELU_SLOPE
 
 _MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.SiLU: "silu"}
 _FUNCTIONS = {
@@ -25,6 +28,7 @@ _FUNCTIONS = {
 }
 _METHODS = {"relu": "relu", "relu_": "relu"}
 _HARDTANH = {F.hardtanh, F.hardtanh_}
+_LEAKY_RELU = {F.leaky_relu, F.leaky_relu_}
 
 
 def conv_activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
@@ -33,10 +37,14 @@ def conv_activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | No
         mod = modules.get(node.target)
         if type(mod) is nn.Hardtanh:
             return "relu6" if (mod.min_val, mod.max_val) == (0.0, 6.0) else None
+        if type(mod) is nn.LeakyReLU:
+            return "leaky_relu" if mod.negative_slope == LEAKY_RELU_SLOPE else None
         return _MODULES.get(type(mod)) if len(node.args) == 1 and not node.kwargs else None
     if node.op == "call_function":
         if node.target in _HARDTANH:
             return "relu6" if _hardtanh_bounds(node) == (0.0, 6.0) else None
+        if node.target in _LEAKY_RELU:
+            return "leaky_relu" if _leaky_slope(node) == LEAKY_RELU_SLOPE else None
         name = _FUNCTIONS.get(node.target)
         extra = set(node.kwargs) - {"inplace"}
         return name if name and len(node.args) in (1, 2) and not extra else None  # (x, inplace)
@@ -51,3 +59,10 @@ def _hardtanh_bounds(node: fx.Node) -> tuple[float, float] | None:
     args |= node.kwargs
     bounds = (args["min_val"], args["max_val"])
     return tuple(map(float, bounds)) if all(isinstance(b, (int, float)) for b in bounds) else None
+
+
+def _leaky_slope(node: fx.Node) -> float | None:
+    names = ["input", "negative_slope", "inplace"]
+    args = {"negative_slope": 0.01} | dict(zip(names, node.args, strict=False)) | node.kwargs
+    slope = args["negative_slope"]
+    return float(slope) if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None

@@ -13,7 +13,7 @@ Each op is built for each M range of ``--variants`` (default both: ``gemv``, sma
 fewer than 4096 elements has no gemv kernel, so it gets one kernel. A conv2d + bias + relu kernel (groups 1, any batch) is
 ``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
 (padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``, or an activation in place
-of relu: ``relu6``, ``hardswish``, ``silu``; e.g.
+of relu: ``relu6``, ``hardswish``, ``silu``, ``leaky_relu``; e.g.
 ``conv2d:float16:64:64:3x3:56x56:p1``. A GPU process loads the pack with
 ``TVM_GEMM_PACK=pack/`` (runtime only).
 """
@@ -106,7 +106,7 @@ def parse_conv_op(text: str):
         for option in parts[6:]:
             if option in ("nobias", "norelu"):
                 flags.add(option)
-            elif option in ("relu6", "hardswish", "silu"):  # (before "sN": "silu")
+            elif option in ("relu6", "hardswish", "silu", "leaky_relu"):  # (before "sN": "silu")
                 activation = option
             elif option[:1] in geometry:
                 geometry[option[0]] = pair(option[1:])
@@ -131,7 +131,7 @@ def parse_conv_op(text: str):
     except ValueError:
         raise SystemExit(
             f"compile: bad conv {text!r}; expected conv2d:DTYPE:C:K:RxS:HxW[:sN][:pN][:dN]"
-            "[:nobias][:norelu|relu6|hardswish|silu], e.g. conv2d:float16:64:64:3x3:56x56:p1"
+            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu], e.g. conv2d:float16:64:64:3x3:56x56:p1"
         ) from None
 
 

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from . import epilogue
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-# The conv's epilogues: ReLU, and those of MobileNetV2 (relu6), MobileNetV3 (hardswish) and
-# EfficientNet (silu).
-ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu")
+# The conv's epilogues: ReLU, and those of MobileNetV2 (relu6), MobileNetV3 (hardswish),
+# EfficientNet (silu) and CSPNet / DarkNet (leaky_relu: torch's default slope, 0.01).
+ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu", "leaky_relu")
 
 
 def torch_activation(name: str):
@@ -45,6 +45,7 @@ def torch_activation(name: str):
         "relu6": F.relu6,
         "hardswish": F.hardswish,
         "silu": F.silu,
+        "leaky_relu": F.leaky_relu,
     }[name]
 
 
@@ -58,6 +59,8 @@ def activate(name: str, v, dtype: str, device: str):
         return epilogue.hardswish(v, dtype)
     if name == "silu":
         return epilogue.silu(v, dtype, device)
+    if name == "leaky_relu":
+        return epilogue.leaky_relu(v, dtype)
     return v
 
 

@@ -1,5 +1,5 @@
-"""The element-wise epilogues of the kernels (relu, relu6, hardswish, gelu, gelu_tanh, silu),
-with torch's NaN and inf semantics.
+"""The element-wise epilogues of the kernels (relu, relu6, hardswish, leaky_relu, gelu,
+gelu_tanh, silu), with torch's NaN and inf semantics.
 
 ``max(x, 0)`` is not ``torch.relu``: LLVM's and CUDA's float max return the number when one
 operand is NaN, so a NaN sum became 0 (hiding a diverging model). ``x < 0 ? 0 : x`` keeps
@@ -38,6 +38,16 @@ def hardswish(x, dtype: str):
     from tvm import tirx
 
     return x * relu6(x + tirx.const(3, dtype), dtype) / tirx.const(6, dtype)
+
+
+LEAKY_RELU_SLOPE = 0.01  # F.leaky_relu's and nn.LeakyReLU's default negative_slope
+
+
+def leaky_relu(x, dtype: str):
+    """``F.leaky_relu`` (slope 0.01): ``x > 0 ? x : 0.01 * x``, NaN and -0.0 kept, as torch."""
+    from tvm import tirx
+
+    return tirx.Select(x > tirx.const(0, dtype), x, x * tirx.const(LEAKY_RELU_SLOPE, dtype))
 
 
 # LLVM has no vector erf or exp: TVM's ``erf`` / ``exp`` become one libm call per element, so

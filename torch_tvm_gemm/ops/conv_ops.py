@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..func_autograd import register_function_autograd
 from ..kernels.conv2d import Conv2dSpec, torch_activation
+from ..kernels.epilogue import LEAKY_RELU_SLOPE
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime import huge_pages
 from ..runtime.loader import sync_threads
@@ -181,7 +182,7 @@ def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor
 def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, out: Tensor):
     """``out[n] = act(w @ pixels[n] + bias[:, None])`` for each image n.
 
-    An activation the GEMM kernel lacks (relu6, hardswish) is torch's, in place on each
+    An activation the GEMM kernel lacks (relu6, hardswish, leaky_relu) is torch's, in place on each
     image's output while it is in cache: the GEMM kernel is what makes these convs fast
     (1.5-2x the blocked conv kernel), the extra pass costs little."""
     n, k = pixels.shape[0], w.shape[0]
@@ -197,6 +198,7 @@ def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, ou
 _INPLACE_ACTIVATIONS = {
     "relu6": lambda t: torch.nn.functional.hardtanh_(t, 0.0, 6.0),  # = F.relu6
     "hardswish": lambda t: torch.nn.functional.hardswish(t, inplace=True),
+    "leaky_relu": lambda t: torch.nn.functional.leaky_relu_(t),
 }
 
 
@@ -315,10 +317,12 @@ _CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True, None]  # bias ... activ
 
 # d act(z) / dz applied to the incoming gradient: from the output where it tells (relu,
 # relu6: the gradient passes where the output is strictly inside the linear range, as in
-# torch), else from the pre-activation z (torch's own backward formulas).
+# torch; leaky_relu: the output has the sign of z), else from the pre-activation z (torch's
+# own backward formulas).
 _OUTPUT_GRADS = {
     "relu": lambda grad, out: grad * (out > 0),
     "relu6": lambda grad, out: grad * ((out > 0) & (out < 6)),
+    "leaky_relu": lambda grad, out: torch.where(out > 0, grad, grad * LEAKY_RELU_SLOPE),
 }
 _PRE_ACTIVATION_GRADS = {
     "hardswish": lambda grad, z: torch.ops.aten.hardswish_backward(grad, z),
@@ -347,8 +351,8 @@ def _conv2d_setup(ctx, inputs, output) -> None:
     ctx.x_shape, ctx.w_shape = x.shape, weight.shape
     need_x, need_w = ctx.needs_input_grad[:2]
     # Only what the backward needs (an inference tensor cannot be saved; torch accepts one
-    # where no gradient needs it): dX needs the weight, dW the input, relu's and relu6's
-    # derivatives the output; hardswish and silu the pre-activation, recomputed in the
+    # where no gradient needs it): dX needs the weight, dW the input, relu's, relu6's and
+    # leaky_relu's derivatives the output; hardswish and silu the pre-activation, recomputed in the
     # backward from x, weight and bias rather than kept alive.
     if act in _PRE_ACTIVATION_GRADS:
         ctx.save_for_backward(saveable(x), saveable(weight), saveable(bias), None)
