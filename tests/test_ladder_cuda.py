@@ -16,7 +16,7 @@ FEATURES = {
     "unrolled": ["cp.async"],
     "wmma": ["wmma::mma_sync"],
 }
-SLOW = {"wmma"}  # dlight imports TVM's tensor intrinsics: ~40 s on 2 cores
+SLOW = {"wmma"}  # dlight imports TVM's tensor intrinsics: ~10-20 s on 2 cores
 
 
 @pytest.mark.parametrize(

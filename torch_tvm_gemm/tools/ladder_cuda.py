@@ -137,8 +137,33 @@ def wmma(spec: GemmSpec):
     # maps onto fp16 x fp16 -> fp32 fragments.
     sch = s_tir.Schedule(gemm_compute(spec))
     inline_operands(sch)
+    _import_tensor_intrinsics()
     with tvm.target.Target(CUDA_TARGET):
         return dl.ApplyDefaultSchedule(dl.gpu.Matmul())(IRModule({"main": sch.mod["main"]}))
+
+
+def _import_tensor_intrinsics() -> None:
+    """Import TVM's tensor intrinsics (the rule tensorizes with them) without the slow path.
+
+    Each of its ~500 intrinsics is a TVMScript function whose decorator calls
+    ``inspect.stack()``; for every frame whose file is not on disk (the import machinery's
+    ``<frozen importlib._bootstrap>``) ``inspect`` scans all of ``sys.modules`` again, as its
+    file -> module cache never holds such a name. With torch loaded (~2000 modules) the import
+    took 96-260 s on a 2-core Xeon. Recording those two names in that cache first (they are
+    exactly the modules named): 10 s."""
+    import importlib
+    import inspect
+    import os
+
+    for name in ("importlib._bootstrap", "importlib._bootstrap_external"):
+        filename = f"<frozen {name}>"
+        for key in (
+            filename,
+            os.path.abspath(filename),
+            os.path.normcase(os.path.abspath(filename)),
+        ):
+            inspect.modulesbyfile.setdefault(key, name)
+    importlib.import_module("tvm.s_tir.tensor_intrin")
 
 
 # (name, schedule, dtype): the tensor-core step needs fp16 inputs.
