@@ -34,7 +34,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx_conv
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
-SCHEDULE_VERSION = 7  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 8  # bump when a schedule changes the binary: it is part of the cache key
 
 
 def nhwc_on_tiles(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
@@ -225,12 +225,16 @@ def _schedule_blocked(sch, spec: Conv2dSpec, wt: int, vec: int, images: int, row
         sch.reorder(bo, ko, bi, i, jo, rc, rr, rs, ji, kio, kii)
         task = sch.fuse(bo, ko)
     sch.set_scope(acc, 0, "local")
+    epi = sch.get_sblock("epi")
+    sch.set_scope(epi, 0, "local")
+    sch.reverse_compute_at(epi, jo)
     sch.reverse_compute_at(out, jo)
     sch.parallel(task)
     sch.unroll(ji)
     sch.unroll(kio)
     sch.vectorize(kii)
     sch.decompose_reduction(acc, rc)
+    _schedule_vector_epilogue(sch, epi, vec)
     _schedule_epilogue(sch, out)
     _schedule_pack(sch, task)
 
@@ -251,6 +255,15 @@ def _schedule_pack(sch, task) -> None:
     tile, inner = sch.split(crs, [None, 16])
     sch.reorder(tile, ki, inner)
     sch.unroll(inner)
+
+
+def _schedule_vector_epilogue(sch, epi, vec: int) -> None:
+    """Bias and activation on the (wt x kb) accumulator tile, vectors along the channels."""
+    *_, j, ki = sch.get_loops(epi)
+    kio, kii = sch.split(ki, [None, vec])
+    sch.unroll(j)
+    sch.unroll(kio)
+    sch.vectorize(kii)
 
 
 def _schedule_epilogue(sch, out) -> None:
