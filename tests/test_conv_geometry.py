@@ -63,3 +63,34 @@ def test_the_kept_geometries_are_bounded(monkeypatch):
         x = randn(1, 2, h, 4)
         assert_close(op(x, w, None, [1, 1], [1, 1]), reference(x, w, None, "relu"), k=18)
     assert len(conv_ops._GEOMETRIES) == 2
+
+
+@pytest.mark.parametrize(
+    "c, k, h, w, stride, groups",
+    [
+        (8, 12, 9, 8, (2, 2), 1),  # odd height: the last row is read
+        (8, 16, 10, 11, (2, 3), 1),
+        (16, 32, 7, 7, (2, 2), 2),
+        (64, 32, 33, 32, (2, 2), 1),  # at stride 1 this one is a GEMM per image
+    ],
+)
+def test_strided_1x1_conv_runs_on_the_pixels_it_reads(monkeypatch, c, k, h, w, stride, groups):
+    got_specs = []
+    get_kernel = conv_ops.get_kernel
+    monkeypatch.setattr(conv_ops, "get_kernel", lambda s: got_specs.append(s) or get_kernel(s))
+    x, wt, b = randn(2, c, h, w), randn(k, c // groups, 1, 1), randn(k)
+    expected = F.relu(F.conv2d(x, wt, b, stride, groups=groups))
+    for given in (x, x.to(memory_format=torch.channels_last), x[:, :, :, :]):
+        got = op(given, wt, b, list(stride), [0, 0], [1, 1], groups, True, None)
+        assert got.shape == expected.shape
+        assert_close(got, expected, k=c // groups)
+    # Every kernel asked for is a stride-1 conv of the subsampled size (or a GEMM).
+    convs = [s for s in got_specs if hasattr(s, "r")]
+    assert convs and all(s.stride == (1, 1) and s.h == expected.shape[2] for s in convs)
+    # Gradients go through the op's own formulas, on the strided geometry.
+    xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
+    op(xg, wg, b, list(stride), [0, 0], [1, 1], groups, True, None).square().sum().backward()
+    xr, wr = x.clone().requires_grad_(), wt.clone().requires_grad_()
+    F.relu(F.conv2d(xr, wr, b, stride, groups=groups)).square().sum().backward()
+    assert_close(xg.grad, xr.grad, k=4 * k)
+    assert_close(wg.grad, wr.grad, k=4 * h * w)
