@@ -1,5 +1,5 @@
-"""The conv op's epilogues (``activation=``: relu6, hardswish, silu, leaky_relu, relu, none) against torch:
-values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
+"""The conv op's epilogues (``activation=``: relu6, hardswish, silu, leaky_relu, relu, none)
+against torch: values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
 
 from __future__ import annotations
 

@@ -24,8 +24,9 @@ class TVMConv2dBiasReLU(nn.Conv2d):
     """``nn.Conv2d`` (optionally followed by ``nn.ReLU``) computed by one TVM kernel.
 
     Build it with ``from_conv(conv, relu=True)`` (or ``activation="relu6"``, ``"hardswish"``,
-    ``"silu"``, ``"leaky_relu"``, ``"none"``, which replaces ``relu``): it shares ``conv``'s parameters, and its
-    ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so checkpoints load both ways.
+    ``"silu"``, ``"leaky_relu"``, ``"none"``, which replaces ``relu``): it shares ``conv``'s
+    parameters, and its ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so
+    checkpoints load both ways.
     Supports ``padding_mode="zeros"`` with int / tuple / "valid" / symmetric "same" padding.
     """
 

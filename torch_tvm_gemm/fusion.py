@@ -423,7 +423,8 @@ def _activation_note(g: _Graph, node: fx.Node) -> str:
         return ""
     if name.lower() in ("add", "add_", "iadd", "cat", "mul", "getitem"):
         return ""
-    return f"; {name} after it is not fused (the conv op fuses ReLU, ReLU6, hardswish, SiLU, LeakyReLU(0.01))"
+    fused = "ReLU, ReLU6, hardswish, SiLU, LeakyReLU(0.01)"
+    return f"; {name} after it is not fused (the conv op fuses {fused})"
 
 
 class _Skip(Exception):

@@ -4,8 +4,9 @@ ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``
 ``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
 (``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``:
 EfficientNet) and leaky ReLU with torch's default slope 0.01 (``nn.LeakyReLU()``,
-``F.leaky_relu``: CSPNet, DarkNet; another slope is not fused), in place or not: the fused op writes a new tensor, and the in-place
-variant's input had no other user (the fusion checks).
+``F.leaky_relu``: CSPNet, DarkNet; another slope is not fused), in place or not: the fused
+op writes a new tensor, and the in-place variant's input had no other user (the fusion
+checks).
 """
 
 from __future__ import annotations
@@ -65,4 +66,5 @@ def _leaky_slope(node: fx.Node) -> float | None:
     names = ["input", "negative_slope", "inplace"]
     args = {"negative_slope": 0.01} | dict(zip(names, node.args, strict=False)) | node.kwargs
     slope = args["negative_slope"]
-    return float(slope) if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
+    number = isinstance(slope, (int, float)) and not isinstance(slope, bool)
+    return float(slope) if number else None

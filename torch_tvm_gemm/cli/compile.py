@@ -131,7 +131,8 @@ def parse_conv_op(text: str):
     except ValueError:
         raise SystemExit(
             f"compile: bad conv {text!r}; expected conv2d:DTYPE:C:K:RxS:HxW[:sN][:pN][:dN]"
-            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu], e.g. conv2d:float16:64:64:3x3:56x56:p1"
+            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu], "
+            "e.g. conv2d:float16:64:64:3x3:56x56:p1"
         ) from None
 
 

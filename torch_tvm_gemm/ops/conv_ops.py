@@ -203,9 +203,9 @@ def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor
 def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, out: Tensor):
     """``out[n] = act(w @ pixels[n] + bias[:, None])`` for each image n.
 
-    An activation the GEMM kernel lacks (relu6, hardswish, leaky_relu) is torch's, in place on each
-    image's output while it is in cache: the GEMM kernel is what makes these convs fast
-    (1.5-2x the blocked conv kernel), the extra pass costs little."""
+    An activation the GEMM kernel lacks (relu6, hardswish, leaky_relu) is torch's, in place
+    on each image's output while it is in cache: the GEMM kernel is what makes these convs
+    fast (1.5-2x the blocked conv kernel), the extra pass costs little."""
     n, k = pixels.shape[0], w.shape[0]
     dest = out.view(n, k, -1)
     fused = act if act in GEMM_ACTIVATIONS else "none"
@@ -376,8 +376,8 @@ def _conv2d_setup(ctx, inputs, output) -> None:
     need_x, need_w = ctx.needs_input_grad[:2]
     # Only what the backward needs (an inference tensor cannot be saved; torch accepts one
     # where no gradient needs it): dX needs the weight, dW the input, relu's, relu6's and
-    # leaky_relu's derivatives the output; hardswish and silu the pre-activation, recomputed in the
-    # backward from x, weight and bias rather than kept alive.
+    # leaky_relu's derivatives the output; hardswish and silu the pre-activation, recomputed
+    # in the backward from x, weight and bias rather than kept alive.
     if act in _PRE_ACTIVATION_GRADS:
         ctx.save_for_backward(saveable(x), saveable(weight), saveable(bias), None)
     else:
