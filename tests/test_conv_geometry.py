@@ -94,3 +94,13 @@ def test_strided_1x1_conv_runs_on_the_pixels_it_reads(monkeypatch, c, k, h, w, s
     F.relu(F.conv2d(xr, wr, b, stride, groups=groups)).square().sum().backward()
     assert_close(xg.grad, xr.grad, k=4 * k)
     assert_close(wg.grad, wr.grad, k=4 * h * w)
+
+
+def test_strided_1x1_conv_in_bfloat16():
+    """The bf16 route of the stride-1 conv (a GEMM per image, on AMX tiles where the CPU
+    has them) on the subsampled pixels, against torch's float32 conv of the same values."""
+    x, w, b = (t.to(torch.bfloat16) for t in (randn(2, 32, 15, 14), randn(48, 32, 1, 1), randn(48)))
+    got = op(x, w, b, [2, 2], [0, 0], [1, 1], 1, False, "silu")
+    expected = F.silu(F.conv2d(x.float(), w.float(), b.float(), 2))
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert_close(got, expected, k=32)
