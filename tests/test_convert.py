@@ -208,6 +208,23 @@ def test_side_effects_on_modules_are_kept(effect):
         assert model.rec.seen is x
 
 
+def test_constants_fx_stores_are_not_a_side_effect():
+    class WithConstant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.relu(self.fc(x)) + torch.arange(8.0)  # computed at trace time: a constant
+
+    model, x = WithConstant(), randn(3, 8)
+    expected = model(x)
+    tg.convert(model)
+    assert model.conversion_summary.regions == ["<top>"], model.conversion_summary.untraced
+    assert not [k for k in vars(model) if "constant" in k]  # fx's copy went to the graph only
+    assert_close(model(x), expected, k=8)
+
+
 def test_a_failed_trace_leaves_no_proxy_behind():
     class AssignsThenBranches(nn.Module):
         def __init__(self):
@@ -356,7 +373,7 @@ def test_timm_batchnormact_folds_with_its_activation(act):
 
 
 def test_timm_batchnormact_with_an_activation_not_fused_stays():
-    model = NormActBlock(nn.LeakyReLU()).eval()
+    model = NormActBlock(nn.LeakyReLU(0.2)).eval()
     reference = copy.deepcopy(model)
     tg.convert(model)
     layers = model.conversion_summary.layers

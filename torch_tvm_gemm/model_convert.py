@@ -215,6 +215,8 @@ def _trace(module: nn.Module) -> tuple[fx.GraphModule, inspect.Signature, dict, 
                 graph = _Tracer(autowrap_functions=tuple(wrapped)).trace(
                     module, concrete_args=concrete or None
                 )
+                # (built here: it copies the constants fx stored on the module)
+                gm = fx.GraphModule(module, graph, class_name=f"Traced{type(module).__name__}")
             break
         except _Untraceable:
             raise
@@ -225,7 +227,6 @@ def _trace(module: nn.Module) -> tuple[fx.GraphModule, inspect.Signature, dict, 
             if helper is None or helper in wrapped or len(wrapped) == _MOST_WRAPPED_HELPERS:
                 raise _Untraceable(f"{type(err).__name__}: {_first_line(err)}") from None
             wrapped.append(helper)
-    gm = fx.GraphModule(module, graph, class_name=f"Traced{type(module).__name__}")
     return gm, signature, concrete, n_tensors
 
 

@@ -6,10 +6,15 @@ Python side effect on a module (``self.last_input = x``, ``self.calls += 1``,
 it, and the trace itself writes a ``Proxy`` onto the user's module. ``unchanged_by_trace``
 snapshots every module of the traced tree, puts each attribute back after the trace (whether
 it succeeded or failed) and raises ``SideEffect`` when the trace assigned something.
+
+fx itself stores the tensors a trace computes without proxies (constants) on the traced root,
+as ``_tensor_constant0`` and the like, for the GraphModule to read: build the GraphModule
+inside the block; those attributes are removed afterwards too, and are no side effect.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +22,10 @@ from torch import nn
 
 _DICTS = ("_parameters", "_buffers", "_modules")
 _CONTAINERS = (list, dict, set)
+# The attributes fx's Tracer.create_arg sets on the root for constants it meets.
+_FX_CONSTANT = re.compile(
+    r"_(tensor_constant|torchbind_obj|tree_spec_constant|opaque_obj)\d+|_\w+_constant_\d+"
+)
 
 
 class SideEffect(Exception):
@@ -58,7 +67,8 @@ def _restore(module: nn.Module, before: dict) -> str | None:
     changed = []
     now = module.__dict__
     for key in [k for k in now if k not in before["attrs"]]:
-        changed.append(key)
+        if not _FX_CONSTANT.fullmatch(key):
+            changed.append(key)
         del now[key]
     for key, value in before["attrs"].items():
         if now.get(key, _MISSING) is not value:
