@@ -21,6 +21,7 @@ from torch import nn
 
 import torch_tvm_gemm as tg
 from torch_tvm_gemm import ops
+from torch_tvm_gemm.ops import conv_ops
 from torch_tvm_gemm.runtime import build_worker, table
 from torch_tvm_gemm.schedules.cpu_conv2d import pointwise_as_gemm
 
@@ -105,6 +106,20 @@ def test_planning_convs_as_the_impl_of_the_planned_device_runs_them():
         assert specs == [ops.conv2d_spec(x1, w1, None, *pointwise)]
     cuda, _ = _planned(lambda: conv(x1, w1, None, *pointwise), device="cuda")
     assert cuda == [ops.conv2d_spec(x1, w1, None, *pointwise, device="cuda")]
+
+
+def test_planning_a_strided_1x1_conv_records_what_the_impl_asks_for(monkeypatch):
+    """A strided 1x1 conv runs as the stride-1 conv of its subsampled input: planning
+    records exactly the kernels that call then asks for."""
+    x, w, b = randn(2, 8, 9, 10), randn(16, 8, 1, 1), randn(16)
+    args = (x, w, b, [2, 2], [0, 0], [1, 1], 1, True, None)
+    specs, y = _planned(lambda: conv(*args))
+    torch.testing.assert_close(y, torch.relu(nn.functional.conv2d(x, w, b, 2)))
+    asked = []
+    get_kernel = conv_ops.get_kernel
+    monkeypatch.setattr(conv_ops, "get_kernel", lambda s: asked.append(s) or get_kernel(s))
+    conv(*args)
+    assert specs == asked and asked[0].stride == (1, 1) and (asked[0].h, asked[0].w) == (5, 5)
 
 
 def test_planning_without_compute_leaves_results_alone():
