@@ -1,5 +1,5 @@
-"""The conv op's epilogues (``activation=``: relu6, hardswish, silu, leaky_relu, relu, none)
-against torch: values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
+"""The conv op's epilogues (``activation=``: relu6, hardswish, silu, leaky_relu and
+leaky_relu_<slope>, relu, none) against torch: values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch_tvm_gemm.kernels.conv2d import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.measure import tolerance
 
 op = torch.ops.tvm_gemm.conv2d_bias_relu
-NEW = ["relu6", "hardswish", "silu", "leaky_relu"]
+NEW = ["relu6", "hardswish", "silu", "leaky_relu", "leaky_relu_0.1"]
 
 
 def reference(x, w, b, activation, padding=0, groups=1):
@@ -32,7 +32,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", [*ACTIVATIONS, "leaky_relu_0.2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_values_with_nan_and_inf(activation, dtype, variant):
     """Bias values NaN, +-inf, the kinks (-3, 0, 3, 6) and ordinary values: each output
@@ -67,6 +67,17 @@ def test_bad_activation():
         tg.conv2d_bias_relu(x, w, activation="gelu6")
     with pytest.raises(ValueError, match="argument 'activation'"):  # also with nothing to compute
         tg.conv2d_bias_relu(x[:0], w, activation="tanh")
+    # a leaky ReLU's slope: >= 0, finite, spelled as Python prints the float (one kernel each)
+    for name in (
+        "leaky_relu_-0.1",
+        "leaky_relu_nan",
+        "leaky_relu_inf",
+        "leaky_relu_0.10",
+        "leaky_relu_0.01",
+        "leaky_relu_",
+    ):
+        with pytest.raises(ValueError, match="leaky_relu_<slope>"):
+            tg.conv2d_bias_relu(x, w, activation=name)
 
 
 @pytest.mark.parametrize("activation", NEW)

@@ -31,6 +31,9 @@ ACTS = {
     "LeakyReLU-inplace": (nn.LeakyReLU(0.01, inplace=True), "leaky_relu"),
     "F.leaky_relu": (F.leaky_relu, "leaky_relu"),
     "F.leaky_relu(0.01)": (lambda t: F.leaky_relu(t, negative_slope=0.01), "leaky_relu"),
+    "LeakyReLU(0.1)": (nn.LeakyReLU(0.1), "leaky_relu_0.1"),
+    "F.leaky_relu(0.2)": (lambda t: F.leaky_relu(t, 0.2), "leaky_relu_0.2"),
+    "F.leaky_relu_(x, 0)": (lambda t: F.leaky_relu_(t, 0), "leaky_relu_0.0"),
 }
 
 
@@ -108,10 +111,10 @@ def test_functional_conv_add_bias_act_fuses(epilogue):
     "act, name",
     [
         (nn.Hardtanh(-1.0, 1.0), "Hardtanh"),
-        (nn.LeakyReLU(0.1), "LeakyReLU"),
-        (lambda t: F.leaky_relu(t, 0.2), "leaky_relu"),
+        (nn.LeakyReLU(-0.1), "LeakyReLU"),
+        (lambda t: F.leaky_relu(t, -0.5), "leaky_relu"),
     ],
-    ids=["Hardtanh(-1,1)", "LeakyReLU(0.1)", "F.leaky_relu(0.2)"],
+    ids=["Hardtanh(-1,1)", "LeakyReLU(-0.1)", "F.leaky_relu(-0.5)"],
 )
 def test_other_bounds_and_slopes_are_not_fused(act, name):
     model = _with_stats(ConvAct(act, bn=True))

@@ -24,7 +24,8 @@ class TVMConv2dBiasReLU(nn.Conv2d):
     """``nn.Conv2d`` (optionally followed by ``nn.ReLU``) computed by one TVM kernel.
 
     Build it with ``from_conv(conv, relu=True)`` (or ``activation="relu6"``, ``"hardswish"``,
-    ``"silu"``, ``"leaky_relu"``, ``"none"``, which replaces ``relu``): it shares ``conv``'s
+    ``"silu"``, ``"leaky_relu"``, ``"leaky_relu_0.1"`` (another slope), ``"none"``, which
+    replaces ``relu``): it shares ``conv``'s
     parameters, and its ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so
     checkpoints load both ways.
     Supports ``padding_mode="zeros"`` with int / tuple / "valid" / symmetric "same" padding.
@@ -99,13 +100,14 @@ class TVMConv2dBiasReLU(nn.Conv2d):
 
 
 def _activation(relu: bool, activation: str | None) -> str:
-    from .kernels.conv2d import ACTIVATIONS
+    from .kernels.conv2d import ACTIVATIONS, is_activation
 
     if activation is None:
         return "relu" if relu else "none"
-    if activation not in ACTIVATIONS:
+    if not is_activation(activation):
         raise ValueError(
-            f"TVMConv2dBiasReLU: activation must be one of {', '.join(ACTIVATIONS)}, "
+            f"TVMConv2dBiasReLU: activation must be one of {', '.join(ACTIVATIONS)} or "
+            f"leaky_relu_<slope> (a slope >= 0 as Python prints it: leaky_relu_0.1), "
             f"got {activation!r}"
         )
     return activation

@@ -36,8 +36,8 @@ def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
 class TVMConv2dBN(nn.Module):
     """``act(bn(conv(x)))`` for an eval-mode ``bn``, one ``tvm_gemm.conv2d_bias_relu`` call.
 
-    ``activation``: "relu", "relu6", "hardswish", "silu", "leaky_relu" or "none" (True /
-    False: relu / none).
+    ``activation``: "relu", "relu6", "hardswish", "silu", "leaky_relu" (or "leaky_relu_0.1":
+    another slope) or "none" (True / False: relu / none).
     """
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, activation: str | bool) -> None:

@@ -414,7 +414,7 @@ def _check_own_tail(
 
 def _activation_note(g: _Graph, node: fx.Node) -> str:
     """Says that an activation after a folded conv stays a separate op (the conv op fuses
-    relu, relu6, hardswish, silu and leaky_relu with slope 0.01 only)."""
+    relu, relu6, hardswish, silu and leaky_relu with a slope >= 0 only)."""
     if node.op == "call_module":
         name = type(g.modules.get(node.target)).__name__
     elif node.op in ("call_function", "call_method"):
@@ -423,7 +423,7 @@ def _activation_note(g: _Graph, node: fx.Node) -> str:
         return ""
     if name.lower() in ("add", "add_", "iadd", "cat", "mul", "getitem"):
         return ""
-    fused = "ReLU, ReLU6, hardswish, SiLU, LeakyReLU(0.01)"
+    fused = "ReLU, ReLU6, hardswish, SiLU, LeakyReLU with a slope >= 0"
     return f"; {name} after it is not fused (the conv op fuses {fused})"
 
 

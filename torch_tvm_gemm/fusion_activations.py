@@ -3,8 +3,9 @@
 ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``,
 ``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
 (``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``:
-EfficientNet) and leaky ReLU with torch's default slope 0.01 (``nn.LeakyReLU()``,
-``F.leaky_relu``: CSPNet, DarkNet; another slope is not fused), in place or not: the fused
+EfficientNet) and leaky ReLU with a slope >= 0 (``nn.LeakyReLU``, ``F.leaky_relu``: CSPNet,
+DarkNet with torch's default 0.01, YOLO with 0.1; a negative slope is not fused), in place or
+not: the fused
 op writes a new tensor, and the in-place variant's input had no other user (the fusion
 checks).
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .kernels.epilogue import LEAKY_RELU_SLOPE
+from .kernels.conv2d import leaky_relu_name, leaky_relu_slope
 
 _MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.SiLU: "silu"}
 _FUNCTIONS = {
@@ -39,13 +40,13 @@ def conv_activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | No
         if type(mod) is nn.Hardtanh:
             return "relu6" if (mod.min_val, mod.max_val) == (0.0, 6.0) else None
         if type(mod) is nn.LeakyReLU:
-            return "leaky_relu" if mod.negative_slope == LEAKY_RELU_SLOPE else None
+            return _leaky_relu(mod.negative_slope)
         return _MODULES.get(type(mod)) if len(node.args) == 1 and not node.kwargs else None
     if node.op == "call_function":
         if node.target in _HARDTANH:
             return "relu6" if _hardtanh_bounds(node) == (0.0, 6.0) else None
         if node.target in _LEAKY_RELU:
-            return "leaky_relu" if _leaky_slope(node) == LEAKY_RELU_SLOPE else None
+            return _leaky_relu(_leaky_slope(node))
         name = _FUNCTIONS.get(node.target)
         extra = set(node.kwargs) - {"inplace"}
         return name if name and len(node.args) in (1, 2) and not extra else None  # (x, inplace)
@@ -62,9 +63,15 @@ def _hardtanh_bounds(node: fx.Node) -> tuple[float, float] | None:
     return tuple(map(float, bounds)) if all(isinstance(b, (int, float)) for b in bounds) else None
 
 
-def _leaky_slope(node: fx.Node) -> float | None:
+def _leaky_relu(slope) -> str | None:
+    """The epilogue name of a leaky ReLU with ``slope``, or None (not a number >= 0)."""
+    if not isinstance(slope, (int, float)) or isinstance(slope, bool):
+        return None
+    name = leaky_relu_name(slope)
+    return name if leaky_relu_slope(name) is not None else None
+
+
+def _leaky_slope(node: fx.Node):
     names = ["input", "negative_slope", "inplace"]
     args = {"negative_slope": 0.01} | dict(zip(names, node.args, strict=False)) | node.kwargs
-    slope = args["negative_slope"]
-    number = isinstance(slope, (int, float)) and not isinstance(slope, bool)
-    return float(slope) if number else None
+    return args["negative_slope"]

@@ -13,7 +13,8 @@ Each op is built for each M range of ``--variants`` (default both: ``gemv``, sma
 fewer than 4096 elements has no gemv kernel, so it gets one kernel. A conv2d + bias + relu kernel (groups 1, any batch) is
 ``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
 (padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``, or an activation in place
-of relu: ``relu6``, ``hardswish``, ``silu``, ``leaky_relu``; e.g.
+of relu: ``relu6``, ``hardswish``, ``silu``, ``leaky_relu`` (slope 0.01), ``leaky_relu_0.1``
+(another slope); e.g.
 ``conv2d:float16:64:64:3x3:56x56:p1``. A GPU process loads the pack with
 ``TVM_GEMM_PACK=pack/`` (runtime only).
 """
@@ -90,7 +91,7 @@ def parse_op(text: str, variants: list[str]) -> list:
 
 def parse_conv_op(text: str):
     """``conv2d:float16:64:64:3x3:56x56:s2:p1`` -> a CUDA Conv2dSpec."""
-    from ..kernels.conv2d import Conv2dSpec
+    from ..kernels.conv2d import Conv2dSpec, is_activation
 
     def pair(value: str) -> tuple[int, int]:
         a, _, b = value.partition("x")
@@ -106,7 +107,7 @@ def parse_conv_op(text: str):
         for option in parts[6:]:
             if option in ("nobias", "norelu"):
                 flags.add(option)
-            elif option in ("relu6", "hardswish", "silu", "leaky_relu"):  # (before "sN": "silu")
+            elif is_activation(option) and option not in ("none", "relu"):  # (before "sN")
                 activation = option
             elif option[:1] in geometry:
                 geometry[option[0]] = pair(option[1:])
@@ -131,7 +132,7 @@ def parse_conv_op(text: str):
     except ValueError:
         raise SystemExit(
             f"compile: bad conv {text!r}; expected conv2d:DTYPE:C:K:RxS:HxW[:sN][:pN][:dN]"
-            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu], "
+            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu|leaky_relu_SLOPE], "
             "e.g. conv2d:float16:64:64:3x3:56x56:p1"
         ) from None
 

@@ -1,6 +1,7 @@
 """The math of the conv2d kernels: ``out = act(conv2d(x, weight) + bias)``, in TensorIR (TE).
 
-``act`` is one of ``ACTIVATIONS`` (``relu`` by default, as the op's name says).
+``act`` is one of ``ACTIVATIONS`` (``relu`` by default, as the op's name says), or a leaky
+ReLU of another slope, ``leaky_relu_<slope>`` (see ``leaky_relu_slope``).
 
 No schedule here (see ``schedules/cpu_conv2d.py``). Layouts are torch's: ``x (N, C, H, W)``,
 ``weight (K, C/groups, R, S)``, ``bias (K,)``, ``out (N, K, OH, OW)``, all contiguous.
@@ -25,32 +26,68 @@ Two variants of the math, chosen by the schedule:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from . import epilogue
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 # The conv's epilogues: ReLU, and those of MobileNetV2 (relu6), MobileNetV3 (hardswish),
-# EfficientNet (silu) and CSPNet / DarkNet (leaky_relu: torch's default slope, 0.01).
+# EfficientNet (silu) and CSPNet / DarkNet (leaky_relu: torch's default slope, 0.01). A leaky
+# ReLU of another slope >= 0 is named "leaky_relu_<slope>" (YOLO's 0.1: "leaky_relu_0.1"),
+# the slope written as Python writes the float, so that one slope has one name (and kernel).
 ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu", "leaky_relu")
+_LEAKY_PREFIX = "leaky_relu_"
+
+
+def leaky_relu_slope(name: str) -> float | None:
+    """The negative slope of the leaky ReLU epilogue ``name`` ("leaky_relu": 0.01,
+    "leaky_relu_0.1": 0.1), or None when ``name`` is no such epilogue or not in its one
+    spelling. Slopes are finite and >= 0: the gradient is then read from the output's sign."""
+    if name == "leaky_relu":
+        return epilogue.LEAKY_RELU_SLOPE
+    if not isinstance(name, str) or not name.startswith(_LEAKY_PREFIX):
+        return None
+    try:
+        slope = float(name[len(_LEAKY_PREFIX) :])
+    except ValueError:
+        return None
+    usable = math.isfinite(slope) and slope >= 0
+    return slope if usable and leaky_relu_name(slope) == name else None
+
+
+def leaky_relu_name(slope: float) -> str:
+    """The epilogue name of a leaky ReLU with ``slope`` (no check of the slope)."""
+    slope = float(slope)
+    return "leaky_relu" if slope == epilogue.LEAKY_RELU_SLOPE else f"{_LEAKY_PREFIX}{slope!r}"
+
+
+def is_activation(name: str) -> bool:
+    """Whether ``name`` is a conv epilogue: one of ACTIVATIONS or a leaky ReLU's name."""
+    return name in ACTIVATIONS or leaky_relu_slope(name) is not None
 
 
 def torch_activation(name: str):
     """The torch function of a conv epilogue (the reference of tests, autograd's formulas)."""
     import torch.nn.functional as F
 
+    slope = leaky_relu_slope(name)
+    if slope is not None:
+        return lambda t: F.leaky_relu(t, slope)
     return {
         "none": lambda t: t,
         "relu": F.relu,
         "relu6": F.relu6,
         "hardswish": F.hardswish,
         "silu": F.silu,
-        "leaky_relu": F.leaky_relu,
     }[name]
 
 
 def activate(name: str, v, dtype: str, device: str):
     """The epilogue ``name`` on the TIR value ``v`` (applied once, to the final sum)."""
+    slope = leaky_relu_slope(name)
+    if slope is not None:
+        return epilogue.leaky_relu(v, dtype, slope)
     if name == "relu":
         return epilogue.relu(v, dtype)
     if name == "relu6":
@@ -59,8 +96,6 @@ def activate(name: str, v, dtype: str, device: str):
         return epilogue.hardswish(v, dtype)
     if name == "silu":
         return epilogue.silu(v, dtype, device)
-    if name == "leaky_relu":
-        return epilogue.leaky_relu(v, dtype)
     return v
 
 
@@ -82,7 +117,7 @@ class Conv2dSpec:
     bias: bool = True
     relu: bool = True  # the epilogue when ``activation`` is None: "relu" or "none"
     device: str = "cpu"
-    activation: str | None = None  # one of ACTIVATIONS; replaces ``relu`` when given
+    activation: str | None = None  # is_activation(); replaces ``relu`` when given
 
     family = "conv2d"
 
@@ -93,7 +128,7 @@ class Conv2dSpec:
         object.__setattr__(self, "relu", self.activation == "relu")
         if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
             raise ValueError(f"bad Conv2dSpec {self}")
-        if self.activation not in ACTIVATIONS:
+        if not is_activation(self.activation):
             raise ValueError(f"bad Conv2dSpec {self}")
         if self.out_h < 1 or self.out_w < 1:
             raise ValueError(f"bad Conv2dSpec {self} (empty output)")

@@ -43,11 +43,11 @@ def hardswish(x, dtype: str):
 LEAKY_RELU_SLOPE = 0.01  # F.leaky_relu's and nn.LeakyReLU's default negative_slope
 
 
-def leaky_relu(x, dtype: str):
-    """``F.leaky_relu`` (slope 0.01): ``x > 0 ? x : 0.01 * x``, NaN and -0.0 kept, as torch."""
+def leaky_relu(x, dtype: str, slope: float = LEAKY_RELU_SLOPE):
+    """``F.leaky_relu(x, slope)``: ``x > 0 ? x : slope * x``, NaN and -0.0 kept, as torch."""
     from tvm import tirx
 
-    return tirx.Select(x > tirx.const(0, dtype), x, x * tirx.const(LEAKY_RELU_SLOPE, dtype))
+    return tirx.Select(x > tirx.const(0, dtype), x, x * tirx.const(slope, dtype))
 
 
 # LLVM has no vector erf or exp: TVM's ``erf`` / ``exp`` become one libm call per element, so

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
+from ..kernels.conv2d import is_activation as is_conv_activation
 from ..kernels.gemm import ACTIVATIONS
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -218,11 +219,12 @@ def conv_activation(relu: bool, activation: str | None) -> str:
     if activation is None:
         return "relu" if relu else "none"
     torch._check_value(
-        activation in CONV_ACTIVATIONS,
+        is_conv_activation(activation),
         lambda: (
             f"tvm_gemm.{CONV}: argument 'activation' must be one of "
-            f"{', '.join(CONV_ACTIVATIONS)} "
-            f"(or None: relu decides), got {activation!r}"
+            f"{', '.join(CONV_ACTIVATIONS)}, leaky_relu_<slope> for another slope >= 0 "
+            f"(written as Python prints the float: leaky_relu_0.1), or None (relu "
+            f"decides), got {activation!r}"
         ),
     )
     return activation

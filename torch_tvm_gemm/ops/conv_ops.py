@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from ..func_autograd import register_function_autograd
-from ..kernels.conv2d import Conv2dSpec, torch_activation
-from ..kernels.epilogue import LEAKY_RELU_SLOPE
+from ..kernels.conv2d import Conv2dSpec, leaky_relu_slope, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime import huge_pages
 from ..runtime.loader import sync_threads
@@ -212,15 +211,18 @@ def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, ou
     for i in range(n):
         gemm(w, pixels[i], "kn", bias, fused, out=dest[i], bias_axis="m")
         if fused != act:
-            _INPLACE_ACTIVATIONS[act](dest[i])
+            _activate_inplace(act, dest[i])
     return out
 
 
-_INPLACE_ACTIVATIONS = {
-    "relu6": lambda t: torch.nn.functional.hardtanh_(t, 0.0, 6.0),  # = F.relu6
-    "hardswish": lambda t: torch.nn.functional.hardswish(t, inplace=True),
-    "leaky_relu": lambda t: torch.nn.functional.leaky_relu_(t),
-}
+def _activate_inplace(act: str, t: Tensor) -> None:
+    slope = leaky_relu_slope(act)
+    if slope is not None:
+        torch.nn.functional.leaky_relu_(t, slope)
+    elif act == "relu6":
+        torch.nn.functional.hardtanh_(t, 0.0, 6.0)  # = F.relu6
+    else:
+        torch.nn.functional.hardswish(t, inplace=True)
 
 
 def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, activation, shape):
@@ -346,8 +348,17 @@ _CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True, None]  # bias ... activ
 _OUTPUT_GRADS = {
     "relu": lambda grad, out: grad * (out > 0),
     "relu6": lambda grad, out: grad * ((out > 0) & (out < 6)),
-    "leaky_relu": lambda grad, out: torch.where(out > 0, grad, grad * LEAKY_RELU_SLOPE),
 }
+
+
+def _output_grad(act: str):
+    """The gradient formula of ``act`` from the output, or None."""
+    slope = leaky_relu_slope(act)  # (a slope >= 0: out > 0 exactly where z > 0)
+    if slope is not None:
+        return lambda grad, out: torch.where(out > 0, grad, grad * slope)
+    return _OUTPUT_GRADS.get(act)
+
+
 _PRE_ACTIVATION_GRADS = {
     "hardswish": lambda grad, z: torch.ops.aten.hardswish_backward(grad, z),
     "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
@@ -385,7 +396,7 @@ def _conv2d_setup(ctx, inputs, output) -> None:
             x if need_w else None,
             weight if need_x else None,
             None,
-            output if act in _OUTPUT_GRADS else None,
+            output if _output_grad(act) is not None else None,
         )
 
 
@@ -398,8 +409,8 @@ def _pre_activation(x, weight, bias, geometry) -> Tensor:
 
 def _conv2d_backward(ctx, grad: Tensor):
     x, weight, bias, output = ctx.saved_tensors
-    if ctx.activation in _OUTPUT_GRADS:
-        grad = _OUTPUT_GRADS[ctx.activation](grad, output)
+    if (formula := _output_grad(ctx.activation)) is not None:
+        grad = formula(grad, output)
     elif ctx.activation in _PRE_ACTIVATION_GRADS:
         z = _pre_activation(x, weight, bias, ctx.geometry)
         grad = _PRE_ACTIVATION_GRADS[ctx.activation](grad, z)
@@ -441,8 +452,8 @@ def _conv2d_jvp(ctx, inputs, output, tangent_x, tangent_w, tangent_b, *_):
         parts.append(tangent_b.view(1, -1, 1, 1).expand_as(output))
     dz = sum_tangents(parts, output)
     act = _conv_args(inputs)[8]
-    if act in _OUTPUT_GRADS:
-        return _OUTPUT_GRADS[act](dz, output)
+    if (formula := _output_grad(act)) is not None:
+        return formula(dz, output)
     if act in _PRE_ACTIVATION_GRADS:
         return _PRE_ACTIVATION_GRADS[act](dz, _pre_activation(x, weight, bias, ctx.geometry))
     return dz
