@@ -157,6 +157,7 @@ class Recorder(nn.Module):
     def __init__(self, effect: str):
         super().__init__()
         self.fc, self.effect, self.calls, self.inputs = nn.Linear(8, 8), effect, 0, []
+        self.state = {"seen": [], "caches": [{}]}  # containers in containers
 
     def forward(self, x):
         if self.effect == "assign":
@@ -167,10 +168,16 @@ class Recorder(nn.Module):
             self.inputs.append(x)
         elif self.effect == "buffer":
             self.register_buffer("seen", x)
+        elif self.effect == "nested-append":
+            self.state["seen"].append(x)
+        elif self.effect == "nested-assign":
+            self.state["caches"][0]["last"] = x
         return F.relu(self.fc(x))
 
 
-@pytest.mark.parametrize("effect", ["assign", "count", "append", "buffer"])
+@pytest.mark.parametrize(
+    "effect", ["assign", "count", "append", "buffer", "nested-append", "nested-assign"]
+)
 def test_side_effects_on_modules_are_kept(effect):
     class Outer(nn.Module):
         def __init__(self):
@@ -185,6 +192,7 @@ def test_side_effects_on_modules_are_kept(effect):
     model.rec.__dict__.pop("last_input", None)
     model.rec.calls, model.rec.inputs = 0, []
     model.rec._buffers.pop("seen", None)
+    model.rec.state = {"seen": [], "caches": [{}]}
     before = dict(model.rec.__dict__)
     tg.convert(model)
     summary = model.conversion_summary
@@ -193,6 +201,7 @@ def test_side_effects_on_modules_are_kept(effect):
     assert {"", "rec"} <= summary.untraced.keys() and "side effect" in summary.untraced["rec"]
     assert summary.regions == ["mlp"] and summary.layers["rec.fc"] == "swapped"
     assert model.rec.calls == 0 and model.rec.inputs == [] and "seen" not in model.rec._buffers
+    assert model.rec.state == {"seen": [], "caches": [{}]}
     assert {k: v for k, v in model.rec.__dict__.items() if k != "_modules"} == {
         k: v for k, v in before.items() if k != "_modules"
     }
@@ -204,8 +213,12 @@ def test_side_effects_on_modules_are_kept(effect):
         assert model.rec.calls == 2
     elif effect == "append":
         assert len(model.rec.inputs) == 2 and model.rec.inputs[1] is x
-    else:
+    elif effect == "buffer":
         assert model.rec.seen is x
+    elif effect == "nested-append":
+        assert len(model.rec.state["seen"]) == 2 and model.rec.state["seen"][1] is x
+    else:
+        assert model.rec.state["caches"][0]["last"] is x
 
 
 def test_constants_fx_stores_are_not_a_side_effect():

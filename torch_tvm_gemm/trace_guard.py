@@ -5,7 +5,9 @@ Python side effect on a module (``self.last_input = x``, ``self.calls += 1``,
 ``self.cache.append(x)``) leaves no node in the graph, so the traced graph would silently skip
 it, and the trace itself writes a ``Proxy`` onto the user's module. ``unchanged_by_trace``
 snapshots every module of the traced tree, puts each attribute back after the trace (whether
-it succeeded or failed) and raises ``SideEffect`` when the trace assigned something.
+it succeeded or failed) and raises ``SideEffect`` when the trace assigned something. Lists,
+dicts and sets are watched down to a few levels of nesting; other objects a module holds are
+not (their attributes could change for harmless reasons, e.g. a cached property).
 
 fx itself stores the tensors a trace computes without proxies (constants) on the traced root,
 as ``_tensor_constant0`` and the like, for the GraphModule to read: build the GraphModule
@@ -52,14 +54,29 @@ def unchanged_by_trace(root: nn.Module) -> Iterator[None]:
 
 def _snapshot(module: nn.Module) -> dict:
     """Shallow copies of the module's attributes, of its parameter / buffer / child dicts,
-    and of the lists, dicts and sets among its attributes (one level deep)."""
+    and of the lists, dicts and sets among its attributes, with those nested in them
+    (``self.state["seen"].append(x)``) down to NESTED_DEPTH levels, NESTED_MAX in all."""
     attrs = dict(module.__dict__)
-    inner = {
-        key: type(value)(value)
-        for key, value in attrs.items()
-        if key in _DICTS or type(value) in _CONTAINERS
-    }
+    inner = []  # (name, container, its shallow copy)
+    seen: set[int] = set()
+    todo = [(key, value, 0) for key, value in attrs.items() if key in _DICTS]
+    todo += [(key, value, 1) for key, value in attrs.items() if type(value) in _CONTAINERS]
+    while todo and len(inner) < NESTED_MAX:
+        name, value, depth = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        inner.append((name, value, type(value)(value)))
+        if 0 < depth < NESTED_DEPTH and not isinstance(value, set):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo += [(f"{name}[{k!r}]", v, depth + 1) for k, v in items if type(v) in _CONTAINERS]
     return {"attrs": attrs, "inner": inner}
+
+
+# How deep into nested containers the snapshot looks, and how many it copies at most per
+# module: a bound on its cost (depth 0 are the parameter / buffer / child dicts, not entered).
+NESTED_DEPTH = 3
+NESTED_MAX = 1000
 
 
 def _restore(module: nn.Module, before: dict) -> str | None:
@@ -74,10 +91,9 @@ def _restore(module: nn.Module, before: dict) -> str | None:
         if now.get(key, _MISSING) is not value:
             changed.append(key)
             now[key] = value
-    for key, saved in before["inner"].items():
-        value = now[key]
+    for name, value, saved in before["inner"]:
         if not _same_contents(value, saved):
-            changed.append(f"{key.lstrip('_')}[{_first_difference(value, saved)!r}]")
+            changed.append(f"{name.lstrip('_')}[{_first_difference(value, saved)!r}]")
             if isinstance(value, list):
                 value[:] = saved
             else:
