@@ -128,7 +128,11 @@ def test_dot_kernel_any_m():
 
 
 @needs_amx
-@pytest.mark.parametrize("m, n", [(161, 100), (40, 512)], ids=["partial-blocks", "4-panels-a-task"])
+@pytest.mark.parametrize(
+    "m, n",
+    [(161, 100), (40, 512), (40, 224)],
+    ids=["partial-blocks", "4-panels-a-task", "partial-last-task"],
+)
 def test_k_blocked_on_tiles(m, n):
     """A Linear whose panels of pairs outgrow half the L2 runs over blocks of K: three blocks
     (the last of 2 steps), sums kept across them, the epilogue once at the end; a partial
@@ -159,6 +163,24 @@ def test_linear_padded_k_and_panel_groups(k, n):
     x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16)
     assert gemm_spec("bfloat16", m, n, k, "nk").variant == "gemm"
     assert_close(tg.linear(x, w, None, "none"), reference(x, w, None, "none"), k)
+
+
+def test_panels_per_task():
+    assert [cpu_amx.panels_per_task(p) for p in (1, 4, 7, 8, 16, 24, 43)] == [1, 1, 2, 2, 4, 4, 4]
+    assert cpu_amx.panels_per_task(43, batched=True) == 1  # (the batch entries are tasks)
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [224, 197, 1376], ids=["7-panels", "6.2-panels", "43-panels"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_partial_last_task(n, layout):
+    """Panels that no group size divides: tasks of 2 or 4 panels, the last task computing its
+    last panel (partial where N % 32 != 0) again in place of the missing ones."""
+    m = cpu.AMX_DOT_MAX_M + 9  # the packed kernel
+    x, w, b = randn(m, 96, dtype=BF16), randn(n, 96, dtype=BF16), randn(n, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, 96, layout, bias=True).variant == "gemm"
+    weight = w if layout == "nk" else w.t().contiguous().t()
+    assert_close(tg.linear(x, weight, b, "silu"), reference(x, w, b, "silu"), 96)
 
 
 @needs_amx

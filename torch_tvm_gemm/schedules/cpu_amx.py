@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 10  # (9: x packed in parallel, undone: not measurably faster)
+SCHEDULE_VERSION = 11  # (9: x packed in parallel, undone: not measurably faster)
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -207,6 +207,7 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
     steps = K // K_STEP
     panels = -(-N // BLOCK)
     group = panels_per_task(panels)
+    panel_of = _panel_of(tirx, panels, group)
     block_words = K_BLOCK_STEPS * TILE_ROWS * BLOCK  # a panel's pairs for one K block
     blocks = (M + BLOCK - 1) // BLOCK
     k_blocks = -(-steps // K_BLOCK_STEPS)
@@ -216,7 +217,7 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
     def row_of(block, r):
         return block * BLOCK + r, block * BLOCK + r < M
 
-    with T.parallel(i64(0), i64(panels // group)) as task:
+    with T.parallel(i64(0), i64(-(-panels // group))) as task:
         config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
         b_pairs = T.alloc_buffer((group * block_words,), "float32", align=64)
         c_acc = T.alloc_buffer((blocks * group * BLOCK * BLOCK,), "float32", align=64)
@@ -226,7 +227,7 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
             first = kb * K_BLOCK_STEPS
             count = tirx.min(i64(K_BLOCK_STEPS), steps - first)
             for g in range(group):
-                _pack_nk(T, tirx, b_words, b_pairs, g * block_words, task * group + g, i64(K),
+                _pack_nk(T, tirx, b_words, b_pairs, g * block_words, panel_of(task, g), i64(K),
                          N, steps, first, count)  # fmt: skip
 
             def copied(step, half):
@@ -255,7 +256,7 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
         with T.serial(i64(0), blocks) as block:
             for g in range(group):
                 _epilogue(T, tirx, N, c_acc, (block * group + g) * (BLOCK * BLOCK), block,
-                          task * group + g, row_of, finish)  # fmt: skip
+                          panel_of(task, g), row_of, finish)  # fmt: skip
         tile_op("tilerelease")
 
 
@@ -411,7 +412,8 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
         row_of = lambda block, r: (block * BLOCK + r, block * BLOCK + r < M)  # noqa: E731
     group = panels_per_task(panels, batched=batch is not None, most=max_group or PANELS_PER_TASK)
     panel_words = steps * TILE_ROWS * BLOCK
-    tasks = panels // group
+    tasks = -(-panels // group)
+    panel_of = _panel_of(tirx, panels, group)
     with T.parallel(i64(0), i64(tasks) if batch is None else batch * tasks) as it:
         entry = None if batch is None else it // tasks  # the batch entry of this task
         task = it if batch is None else it % tasks
@@ -425,13 +427,13 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
             offset = None if entry is None else entry * (N * (K // 2))  # (entry's matrix)
             b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data, elem_offset=offset)
             for g in range(group):
-                panel = task * group + g
-                _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel, K, N, steps)
+                _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel_of(task, g), K, N, steps)
         else:
             offset = None if entry is None else entry * (K * N)
             b_words = T.decl_buffer((K * N,), "uint16", data=B.data, elem_offset=offset)
             b_pairs16 = T.decl_buffer((group * panel_words * 2,), "uint16", data=b_pairs.data)
-            _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, K, N, steps)
+            _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, panel_of, K, N,
+                     steps)  # fmt: skip
 
         def copied(step, half):  # (address, row stride) of a tile of the copied block
             return tirx.address_of(a_tiles[step * (BLOCK * K_STEP) + half * 512]), i64(64)
@@ -462,7 +464,7 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
                     with T.Else():
                         copy_then_products(block)
             for g in range(group):
-                _epilogue(T, tirx, N, c_acc, g * BLOCK * BLOCK, block, task * group + g,
+                _epilogue(T, tirx, N, c_acc, g * BLOCK * BLOCK, block, panel_of(task, g),
                           row_of, lambda *v: finish(*v, *at_entry))  # fmt: skip
         tile_op("tilerelease")
 
@@ -475,11 +477,27 @@ PANELS_PER_TASK = 4
 
 
 def panels_per_task(panels: int, batched: bool = False, most: int = PANELS_PER_TASK) -> int:
-    """(Batched: the batch entries are tasks too, so a task may hold all of an entry's panels.)"""
+    """The panels of a task: the most (up to ``most``) that divide the panels into 4 tasks or
+    more; where none does (N = 1376: 43 panels), a 2-D GEMM still takes the most that leave
+    4 tasks, its last task repeating its last panel (``_panel_of``) rather than every task
+    running one panel. (Batched: the batch entries are tasks too, so a task may hold all of
+    an entry's panels.)"""
     for g in range(most, 1, -1):
         if panels % g == 0 and (batched or panels // g >= 4):
             return g
+    if not batched:
+        for g in range(most, 1, -1):
+            if -(-panels // g) >= 4:
+                return g
     return 1
+
+
+def _panel_of(tirx, panels: int, group: int):
+    """``(task, g) -> panel``: the g-th panel of a task, the last panel again past the end (a
+    partial last task computes it twice and stores the same values twice)."""
+    if panels % group == 0:
+        return lambda task, g: task * group + g
+    return lambda task, g: tirx.min(task * group + g, panels - 1)
 
 
 # K steps per chunk: 256 values of K, a 16 KiB slice of a 32-row block of A. Measured (the
@@ -594,7 +612,7 @@ def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps, first=None, co
             T.buffer_store(b_pairs, value, [base + k2 * BLOCK + n])
 
 
-def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, K, N, steps):
+def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, panel_of, K, N, steps):
     """B (K, N): rows 2 k2 and 2 k2 + 1 of each of the task's panels (32 columns)
     interleaved, ``b_pairs16[g * panel_size + (k2 * 32 + n) * 2 + j] = B[2 k2 + j, n]``; rows
     past K zero. The group's panels side by side in one pass: each row of B is read as one
@@ -616,7 +634,7 @@ def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, K, N, steps):
 
     with T.serial(i64(0), K // 2) as k2:
         for g in range(group):
-            panel = task * group + g
+            panel = panel_of(task, g)
             col, at = panel * BLOCK, g * panel_size + k2 * BLOCK * 2
             if N % BLOCK == 0:
                 interleave(k2, col, at)
@@ -634,8 +652,7 @@ def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, K, N, steps):
                 value = tirx.if_then_else(
                     k < K,
                     b_words[
-                        tirx.min(k, K - 1) * N
-                        + tirx.min((task * group + g) * BLOCK + e // 2, N - 1)
+                        tirx.min(k, K - 1) * N + tirx.min(panel_of(task, g) * BLOCK + e // 2, N - 1)
                     ],
                     tirx.const(0, "uint16"),
                 )
