@@ -216,13 +216,16 @@ def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, ou
 
 
 def _activate_inplace(act: str, t: Tensor) -> None:
+    """A conv epilogue the GEMM kernel lacks, in place on ``t``."""
     slope = leaky_relu_slope(act)
     if slope is not None:
         torch.nn.functional.leaky_relu_(t, slope)
     elif act == "relu6":
         torch.nn.functional.hardtanh_(t, 0.0, 6.0)  # = F.relu6
-    else:
+    elif act == "hardswish":
         torch.nn.functional.hardswish(t, inplace=True)
+    else:
+        raise AssertionError(f"tvm_gemm: no in-place form of the epilogue {act!r}")
 
 
 def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, activation, shape):
