@@ -221,6 +221,16 @@ def test_side_effects_on_modules_are_kept(effect):
         assert model.rec.state["caches"][0]["last"] is x
 
 
+def test_many_nested_containers_still_leave_the_module_dicts_watched():
+    model, x = Recorder("buffer"), randn(3, 8)
+    model.tables = [[i] for i in range(3000)]  # more than the snapshot copies of nested ones
+    tg.convert(model)
+    assert "side effect" in model.conversion_summary.untraced[""]
+    assert "seen" not in model._buffers
+    model(x)
+    assert model.seen is x
+
+
 def test_constants_fx_stores_are_not_a_side_effect():
     class WithConstant(nn.Module):
         def __init__(self):

@@ -57,24 +57,27 @@ def _snapshot(module: nn.Module) -> dict:
     and of the lists, dicts and sets among its attributes, with those nested in them
     (``self.state["seen"].append(x)``) down to NESTED_DEPTH levels, NESTED_MAX in all."""
     attrs = dict(module.__dict__)
-    inner = []  # (name, container, its shallow copy)
-    seen: set[int] = set()
-    todo = [(key, value, 0) for key, value in attrs.items() if key in _DICTS]
-    todo += [(key, value, 1) for key, value in attrs.items() if type(value) in _CONTAINERS]
-    while todo and len(inner) < NESTED_MAX:
+    top = [(key, value) for key, value in attrs.items() if key in _DICTS]
+    top += [(key, value) for key, value in attrs.items() if type(value) in _CONTAINERS]
+    inner = [(key, value, type(value)(value)) for key, value in top]  # (name, it, its copy)
+    seen = {id(value) for _, value in top}
+    todo = [(key, value, 1) for key, value in top if key not in _DICTS]
+    while todo and len(inner) < NESTED_MAX:  # (only the nested ones are capped)
         name, value, depth = todo.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        inner.append((name, value, type(value)(value)))
-        if 0 < depth < NESTED_DEPTH and not isinstance(value, set):
+        if depth > 1:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            inner.append((name, value, type(value)(value)))
+        if depth < NESTED_DEPTH and not isinstance(value, set):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             todo += [(f"{name}[{k!r}]", v, depth + 1) for k, v in items if type(v) in _CONTAINERS]
     return {"attrs": attrs, "inner": inner}
 
 
-# How deep into nested containers the snapshot looks, and how many it copies at most per
-# module: a bound on its cost (depth 0 are the parameter / buffer / child dicts, not entered).
+# How deep into nested containers the snapshot looks (1: the module's own attributes, always
+# copied, as are its parameter / buffer / child dicts), and how many it copies at most per
+# module: a bound on its cost.
 NESTED_DEPTH = 3
 NESTED_MAX = 1000
 
