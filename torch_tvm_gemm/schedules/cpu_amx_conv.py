@@ -20,7 +20,7 @@ from ..kernels.conv2d import Conv2dSpec, activate
 from ..target import CpuInfo
 from . import cpu_amx
 
-SCHEDULE_VERSION = 3
+SCHEDULE_VERSION = (4, cpu_amx.SCHEDULE_VERSION)  # it runs on cpu_amx.tile_gemm
 
 # A's tiles are loaded straight from a zero-bordered NHWC input, 16 output pixels of one
 # output row a tile, at the stride of a filter tap: no gather. Rows wider than 16 pixels
