@@ -317,10 +317,20 @@ def _pack_a_in_tiles(sch, a_pad, mr: int) -> None:
 # chunks outer: a thread runs the panels over the same chunk of A, which stays in L2, where
 # with tasks of whole panels it read all of A from L3 once per panel. Kernels alone, against
 # F.linear (2 threads, Intel Xeon, a ring of 8 inputs as in a model), tasks of whole panels
-# -> chunks: M = 2048, N x K = 512 x 512 0.64 -> 0.90x, 768 x 768 0.74 -> 0.95x, 3072 x 768
-# 0.63 -> 0.89x, 768 x 3072 0.97 -> 0.94x; M = 1024, 512 x 512 0.71 -> 0.90x, 1376 x 512
-# 0.78 -> 1.01x; M = 512 0.75-0.97x -> 0.87-1.07x; M <= 258 is one chunk (unchanged).
-M_CHUNK_ROWS = 258
+# -> chunks of 258 rows: M = 2048, N x K = 512 x 512 0.64 -> 0.90x, 768 x 768 0.74 -> 0.95x,
+# 3072 x 768 0.63 -> 0.89x, 768 x 3072 0.97 -> 0.94x; M = 1024, 512 x 512 0.71 -> 0.90x,
+# 1376 x 512 0.78 -> 1.01x; M = 512 0.75-0.97x -> 0.87-1.07x.
+#
+# The tasks run in the order (half of the panels, chunk, panel): TVM hands each thread an
+# equal run of consecutive tasks, so with two threads each takes half of the panels of every
+# chunk, whatever M. In the order (chunk, panel) a thread took whole chunks: at M = 600
+# (chunks of 258, 258 and 84 rows) one thread did 1.8 times the other's work, 0.77x F.linear
+# (0.88-1.00x now). Each chunk is then read by both threads, each for its half of the panels.
+# With that order, chunks of 516 rows against 258 (kernels alone, 2 threads): M = 1024,
+# N x K = 768 x 768 0.92-0.96x -> 0.99x, 3072 x 768 0.95-0.99x -> 1.02-1.06x, 768 x 3072
+# 0.96x -> 0.99x, 4096 x 4096 1.03x -> 1.14x; M = 2048 0.91-1.03x -> 0.94-1.01x; M = 512
+# +1% to +7% (fewer packs of the weight: one per chunk).
+M_CHUNK_ROWS = 516
 
 
 def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
@@ -331,14 +341,16 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     mo, io = sch.split(io, [None, max(1, M_CHUNK_ROWS // mr)])
     jo, ji = sch.split(j, [None, nr])
     jio, jii = sch.split(ji, [None, vec])
-    sch.reorder(mo, jo, io, k, ii, jio, jii)
+    halves = 2 if -(-spec.n // nr) >= 2 else 1
+    jh, jo = sch.split(jo, [halves, None])
+    sch.reorder(jh, mo, jo, io, k, ii, jio, jii)
     sch.reverse_compute_at(out, io)
     _store_tile_from_registers(sch, spec, out, vec)
     sch.set_scope(acc, 0, "local")
     sch.unroll(ii)
     sch.unroll(jio)
     sch.vectorize(jii)
-    task = sch.fuse(mo, jo)
+    task = sch.fuse(jh, mo, jo)
     sch.parallel(task)
     # Pack each panel right before its use, by the thread that uses it, while it is in
     # cache (measured +5-10% at M=256 over packing all of B first); once per chunk of A.
