@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 22  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 23  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -331,28 +331,38 @@ def _pack_a_in_tiles(sch, a_pad, mr: int) -> None:
 # 0.96x -> 0.99x, 4096 x 4096 1.03x -> 1.14x; M = 2048 0.91-1.03x -> 0.94-1.01x; M = 512
 # +1% to +7% (fewer packs of the weight: one per chunk). Chunks of 1032 rows where K <= 2048
 # (A's copy is read as one stream, so a chunk of up to 8 MB still pays): M = 1024, 768 x 768
-# 0.94x -> 0.99x, 512 x 512 0.95-0.97x -> 0.99x, 1376 x 512 0.99x -> 1.00-1.02x, GPT-2's
-# 50257 x 768 0.88x -> 0.97x; M = 2048 +0 to +9%; 2048^3 "kn" 0.92x -> 0.95x. At K = 3072
+# 0.94x -> 0.99x, 512 x 512 0.95-0.97x -> 0.99x, 1376 x 512 0.99x -> 1.00-1.02x; M = 2048
+# +0 to +9%; 2048^3 "kn" 0.92x -> 0.95x. At K = 3072
 # within +-3%, at K = 4096 worse (M = 2048: 1.04x -> 0.87x).
+#
+# Where N is not a multiple of the vector width (GPT-2's vocabulary, 50257; a 1000-class
+# head), the halves stay out: the output's column bound then depends on the lane, and with
+# the halves' task index (divided by the symbolic chunk count) TVM no longer splits off the
+# vector stores: every tile was stored one float at a time (M = 128, N x K = 1000 x 768: 0.74x
+# against 1.07x; 50257 x 768: 0.65x against 1.08x). Those take the order (chunk, panel) and
+# chunks of SHORT_CHUNK_ROWS, which bounds what one thread can have over the other.
 M_CHUNK_ROWS = 516
 LONG_CHUNK_ROWS, LONG_CHUNK_MAX_K = 1032, 2048
+SHORT_CHUNK_ROWS = 258
 
 
-def chunk_rows(spec: GemmSpec) -> int:
-    """Rows of A per chunk of the packed kernel (see above)."""
+def task_order(spec: GemmSpec, nr: int, vec: int) -> tuple[int, int]:
+    """(halves, rows of A per chunk) of the packed kernel's tasks (see above)."""
+    if -(-spec.n // nr) < 2 or spec.n % vec:
+        return 1, SHORT_CHUNK_ROWS
     short_k = spec.k is not None and spec.k <= LONG_CHUNK_MAX_K
-    return LONG_CHUNK_ROWS if short_k else M_CHUNK_ROWS
+    return 2, LONG_CHUNK_ROWS if short_k else M_CHUNK_ROWS
 
 
 def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     b_pad = _pad_operands(sch, spec, nr, mr)
     i, j, k = sch.get_loops(acc)
+    halves, rows = task_order(spec, nr, vec)
     io, ii = sch.split(i, [None, mr])
-    mo, io = sch.split(io, [None, max(1, chunk_rows(spec) // mr)])
+    mo, io = sch.split(io, [None, max(1, rows // mr)])
     jo, ji = sch.split(j, [None, nr])
     jio, jii = sch.split(ji, [None, vec])
-    halves = 2 if -(-spec.n // nr) >= 2 else 1
     jh, jo = sch.split(jo, [halves, None])
     sch.reorder(jh, mo, jo, io, k, ii, jio, jii)
     sch.reverse_compute_at(out, io)
