@@ -313,7 +313,7 @@ def _pack_a_in_tiles(sch, a_pad, mr: int) -> None:
     sch.parallel(tile)
 
 
-# The packed kernel's parallel tasks are (chunk of M_CHUNK_ROWS rows of A, panel of B), the
+# The packed kernel's parallel tasks are (chunk of rows of A, panel of B), the
 # chunks outer: a thread runs the panels over the same chunk of A, which stays in L2, where
 # with tasks of whole panels it read all of A from L3 once per panel. Kernels alone, against
 # F.linear (2 threads, Intel Xeon, a ring of 8 inputs as in a model), tasks of whole panels
@@ -332,8 +332,8 @@ def _pack_a_in_tiles(sch, a_pad, mr: int) -> None:
 # +1% to +7% (fewer packs of the weight: one per chunk). Chunks of 1032 rows where K <= 2048
 # (A's copy is read as one stream, so a chunk of up to 8 MB still pays): M = 1024, 768 x 768
 # 0.94x -> 0.99x, 512 x 512 0.95-0.97x -> 0.99x, 1376 x 512 0.99x -> 1.00-1.02x; M = 2048
-# +0 to +9%; 2048^3 "kn" 0.92x -> 0.95x. At K = 3072
-# within +-3%, at K = 4096 worse (M = 2048: 1.04x -> 0.87x).
+# +0 to +9%; 2048^3 "kn" 0.92x -> 0.95x. At K = 3072 within +-3%, at K = 4096 worse
+# (M = 2048: 1.04x -> 0.87x).
 #
 # Where N is not a multiple of the vector width (GPT-2's vocabulary, 50257; a 1000-class
 # head), the halves stay out: the output's column bound then depends on the lane, and with
