@@ -9,6 +9,8 @@ from conftest import DTYPES, assert_close, randn, tolerance
 
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
+from torch_tvm_gemm.ops.gemm_ops import gemm_spec
+from torch_tvm_gemm.schedules import cpu as cpu_schedules
 from torch_tvm_gemm.schedules.cpu import gemm_variant
 from torch_tvm_gemm.target import host_cpu
 
@@ -73,6 +75,32 @@ def test_linear_every_m_range(m, k, n):
     # gemm), K and N off the 16-wide vectors and the register tiles, M off the row tiles.
     x, w, b = randn(m, k), randn(n, k), randn(n)
     assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
+
+
+def test_packed_task_order_rule():
+    # (halves of the panels, rows of A per chunk): halves only for N a whole number of
+    # vectors and two panels or more; long chunks up to K = 2048.
+    def order(n, k):
+        return cpu_schedules.task_order(gemm_spec("float32", 2000, n, k, "nk"), 64, 16)
+
+    assert order(768, 768) == (2, cpu_schedules.LONG_CHUNK_ROWS)
+    assert order(320, 3000) == (2, cpu_schedules.M_CHUNK_ROWS)
+    assert order(100, 768) == (1, cpu_schedules.SHORT_CHUNK_ROWS)  # N % 16 != 0
+    assert order(48, 768) == (1, cpu_schedules.SHORT_CHUNK_ROWS)  # one panel
+
+
+@pytest.mark.parametrize("m", [600, 1100, 2100])
+@pytest.mark.parametrize(
+    "k,n", [(300, 320), (300, 100), (2100, 192)], ids=["halves", "no-halves", "516-row-chunks"]
+)
+def test_linear_packed_over_several_chunks(m, k, n):
+    """The packed kernel past one chunk of A (uneven last chunks), A copied into row tiles
+    first: in halves of the panels (an odd count: 5) and in the order (chunk, panel)."""
+    assert gemm_spec("float32", m, n, k, "nk").variant == "gemm"
+    x, w, b = randn(m, k), randn(n, k), randn(n)
+    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
+    wt = randn(k, n)
+    assert_close(tg.matmul(x, wt), x.double() @ wt.double(), k)
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
