@@ -45,6 +45,7 @@ def _extension_kwargs() -> dict:
     ext = CppExtension(
         "torch_tvm_gemm._C",
         ["csrc/tvm_gemm_ops.cpp", "csrc/parallel_launch.cpp", "csrc/python_entry.cpp"],
+        depends=["csrc/parallel_launch.h"],
         include_dirs=tvm_ffi.libinfo.include_paths(),
         library_dirs=[ffi_lib_dir],
         libraries=["tvm_ffi"],

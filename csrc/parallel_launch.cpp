@@ -21,6 +21,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "parallel_launch.h"
+
 namespace tvm_gemm {
 
 // The ABI of TVM's C backend API (tvm/runtime/c_backend_api.h), restated here so that the
@@ -31,12 +33,21 @@ struct ParallelGroupEnv {
 };
 using ParallelLambda = int (*)(int task_id, ParallelGroupEnv* penv, void* cdata);
 
+// Set (by SerialCalls) around a kernel call too small to share: its parallel loop then runs on
+// the calling thread. Opening an OpenMP region costs about a microsecond, more than a
+// 16 x 16 x 16 product (which is one task of the packed kernel anyway).
+thread_local bool t_serial_calls = false;
+
+SerialCalls::SerialCalls(bool serial) : previous_(t_serial_calls) { t_serial_calls = serial; }
+SerialCalls::~SerialCalls() { t_serial_calls = previous_; }
+
 // TVM's contract: run flambda(task, env, cdata) for task in [0, num_task), num_task = 0
 // meaning "as many as the pool has" (what TVM's code generator always passes); return 0, or
 // -1 if a task failed. Each task computes its own share of the loop from env->num_task.
 extern "C" int parallel_launch(ParallelLambda flambda, void* cdata, int num_task) {
   int n = num_task > 0 ? num_task : at::get_num_threads();
-  if (n <= 1 || omp_in_parallel()) {  // already inside a parallel region: no nested team
+  // (Inside a parallel region already: no nested team.)
+  if (n <= 1 || t_serial_calls || omp_in_parallel()) {
     ParallelGroupEnv env{nullptr, 1};
     return flambda(0, &env, cdata) == 0 ? 0 : -1;
   }

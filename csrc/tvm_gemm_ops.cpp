@@ -45,6 +45,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "parallel_launch.h"
+
 namespace py = pybind11;
 
 namespace tvm_gemm {
@@ -380,6 +382,11 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
+// Products of at most this many multiply-adds run on the calling thread (SerialCalls): one
+// OpenMP region costs ~1 us, more than such a product takes (16 x 16 x 16 matmul, 2 threads,
+// Intel Xeon: the kernel alone 2.4 us with the region, 1.6 us without).
+constexpr int64_t kSerialMaxMacs = int64_t{1} << 18;  // 64 x 64 x 64
+
 // act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors gemm_ops.gemm's CPU branch
 // (these impls are registered for CPU only).
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
@@ -419,6 +426,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   DLTensor dl_a = dl_view(ac, dtype);
   DLTensor dl_b = dl_view(bc, dtype);
   DLTensor dl_out = dl_view(dest, dtype);
+  const SerialCalls serial(m * n * k <= kSerialMaxMacs);
   try {
     if (bias.has_value()) {
       const at::Tensor biasc = aligned(*bias->expect_contiguous());
@@ -694,7 +702,6 @@ int64_t table_size() {
 }  // namespace tvm_gemm
 
 namespace tvm_gemm {
-int64_t parallel_launch_address();             // parallel_launch.cpp
 void add_python_entries(py::module_& m);  // python_entry.cpp
 }  // namespace tvm_gemm
 

@@ -343,6 +343,19 @@ def test_miss_handler_rejects_a_variant_gemm_spec_would_not_pick():
     impls._cpp_miss.error = None  # (kept for C++, which is not waiting for it here)
 
 
+@pytest.mark.parametrize("k", [21, 22], ids=["serial", "parallel"])
+def test_products_either_side_of_the_serial_threshold(impl, k):
+    """A product of at most 2^18 multiply-adds runs its parallel loop on the calling thread
+    (C++ path): here three 258-row tasks of the packed kernel on one thread, then (K = 22,
+    past the threshold) on the pool, and the pool still used after it."""
+    m, n = 600, 20
+    assert (m * n * 21 <= 1 << 18) and (m * n * 22 > 1 << 18)
+    a, b = randn(m, k), randn(k, n)
+    assert_close(mm(a, b), a.double() @ b.double(), k)
+    x, w = randn(300, 256), randn(256, 256)
+    assert_close(mm(x, w), x.double() @ w.double(), 256)
+
+
 # --- safety: threads, leaks, switches ---------------------------------------------------------
 
 

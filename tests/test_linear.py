@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,14 +91,32 @@ def test_packed_task_order_rule():
     assert order(48, 768) == (1, cpu_schedules.SHORT_CHUNK_ROWS)  # one panel
 
 
+def test_packed_a_copy_rule():
+    # A copied into row tiles only for a static K, two panels or more and a weight of at
+    # least A_PACK_MIN_B_ELEMENTS.
+    def packs(n, k):
+        return cpu_schedules.packs_a(gemm_spec("float32", 2000, n, k, "nk"), 64)
+
+    assert packs(768, 768) and packs(1376, 512)
+    assert not packs(512, 512)  # a small weight
+    assert not packs(64, 8192)  # one panel
+    dynamic_k = dataclasses.replace(gemm_spec("float32", 2000, 768, 768, "kn"), k=None)
+    assert not cpu_schedules.packs_a(dynamic_k, 64)
+
+
 @pytest.mark.parametrize("m", [600, 1100, 2100])
 @pytest.mark.parametrize(
-    "k,n", [(300, 320), (300, 100), (2100, 192)], ids=["halves", "no-halves", "516-row-chunks"]
+    "k,n",
+    [(1700, 320), (1600, 330), (2100, 256), (300, 320)],
+    ids=["halves", "no-halves", "516-row-chunks", "a-in-place"],
 )
 def test_linear_packed_over_several_chunks(m, k, n):
-    """The packed kernel past one chunk of A (uneven last chunks), A copied into row tiles
-    first: in halves of the panels (an odd count: 5) and in the order (chunk, panel)."""
-    assert gemm_spec("float32", m, n, k, "nk").variant == "gemm"
+    """The packed kernel past one chunk of A (uneven last chunks): in halves of the panels (an
+    odd count: 5) and in the order (chunk, panel) (N = 330 is no whole number of vectors),
+    A copied into row tiles first, or (a small weight) read in place."""
+    spec = gemm_spec("float32", m, n, k, "nk")
+    assert spec.variant == "gemm"
+    assert cpu_schedules.packs_a(spec, 64) == (k * n >= cpu_schedules.A_PACK_MIN_B_ELEMENTS)
     x, w, b = randn(m, k), randn(n, k), randn(n)
     assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
     wt = randn(k, n)
