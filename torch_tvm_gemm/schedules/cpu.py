@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 24  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 25  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -297,12 +297,14 @@ def _pad_operands(sch, spec: GemmSpec, nr: int, mr: int | None = None):
 # The packed kernel copies A into tiles (``_pack_a_in_tiles``) only for a static K, two
 # panels of B or more (with one, each row of A is read once anyway) and a weight of at least
 # A_PACK_MIN_B_ELEMENTS: the copy is a parallel loop of its own and a workspace, a few
-# microseconds a call that a small product does not win back. Kernels alone (2 threads,
-# Intel Xeon, against F.linear / torch.matmul), A read in place -> copied: 16 x 16 x 16
-# 0.76x -> 0.51x, 64 x 64 x 64 1.11x -> 0.82x; M = 128, N x K = 128 x 128 1.03x -> 0.94x,
-# 256 x 256 0.94x -> 0.85x, 512 x 512 0.98x -> 0.94x; M = 1024, 256 x 256 0.81x -> 0.91x,
-# 512 x 512 0.90x -> 0.96x (the gains at 768 x 768 and up: ``_pack_a_in_tiles``).
-A_PACK_MIN_B_ELEMENTS = 1 << 19
+# microseconds a call, and it pays with M, which only the call knows. Kernels alone (2
+# threads, Intel Xeon, against F.linear / torch.matmul, two runs), A read in place -> copied:
+# 16 x 16 x 16 0.76x -> 0.51x, 64 x 64 x 64 1.11x -> 0.82x; N x K = 128 x 128 at M = 128
+# 1.03x -> 0.94x; 256 x 256 at M = 128 0.95-0.97x -> 0.88-0.93x, M = 256 +1 to +2%, M = 1024
+# 0.87-0.89x -> 0.96x; 384 x 384 -3% to +1%, +4 to +7%, +8 to +11%; 512 x 512 at M = 128
+# 0.99-1.03x -> 1.03-1.05x, M = 1024 0.90-0.91x -> 0.98-1.00x (768 x 768 and up:
+# ``_pack_a_in_tiles``).
+A_PACK_MIN_B_ELEMENTS = 1 << 16
 
 
 def packs_a(spec: GemmSpec, nr: int) -> bool:
