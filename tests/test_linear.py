@@ -104,6 +104,17 @@ def test_packed_a_copy_rule():
     assert not cpu_schedules.packs_a(dynamic_k, 64)
 
 
+def test_packed_pack_of_an_nk_weight_prefetches():
+    # The float32 packed kernel's transposing pack of a "nk" weight asks for its next lines
+    # (cpu_pack_prefetch); a "kn" weight is copied without it.
+    cpu = host_cpu()
+    if cpu.vector_registers < 32:
+        pytest.skip("the 6 x 64 tile of AVX-512")
+    nk = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, "nk"), cpu).script()
+    kn = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, "kn"), cpu).script()
+    assert nk.count("llvm.prefetch") == 1 and "llvm.prefetch" not in kn
+
+
 @pytest.mark.parametrize("m", [600, 1100, 2100])
 @pytest.mark.parametrize(
     "k,n",

@@ -43,10 +43,10 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx, cpu_gemv
+from . import cpu_amx, cpu_gemv, cpu_pack_prefetch
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 25  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 26  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -269,7 +269,10 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             _schedule_gemv_nk(sch, spec, vec)
     else:
         sch = s_tir.Schedule(gemm_compute(spec, mr, nr))
-        _schedule_packed(sch, spec, mr, nr, vec)
+        pack_loops = _schedule_packed(sch, spec, mr, nr, vec)
+        if pack_loops is not None and spec.dtype == "float32":
+            loops = [sch.get(loop).loop_var for loop in pack_loops]
+            return cpu_pack_prefetch.prefetch_pack_reads(sch.mod, *loops, vec)
     return sch.mod
 
 
@@ -374,7 +377,9 @@ def task_order(spec: GemmSpec, nr: int, vec: int) -> tuple[int, int]:
     return 2, LONG_CHUNK_ROWS if short_k else M_CHUNK_ROWS
 
 
-def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
+    """Returns the pack's (K tiles, rows of a tile) loops where it transposes a "nk" B (for
+    ``cpu_pack_prefetch``), else None."""
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     b_pad = _pad_operands(sch, spec, nr, mr if packs_a(spec, nr) else None)
     i, j, k = sch.get_loops(acc)
@@ -396,9 +401,11 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
     # Pack each panel right before its use, by the thread that uses it, while it is in
     # cache (measured +5-10% at M=256 over packing all of B first); once per chunk of A.
     sch.compute_at(b_pad, task)
+    pack_loops = None
     if spec.b_layout == "nk":
-        _transpose_in_tiles(sch, b_pad, vec)
+        pack_loops = _transpose_in_tiles(sch, b_pad, vec)
     sch.decompose_reduction(acc, k)
+    return pack_loops
 
 
 def _schedule_swapped(sch, panel: int, rows: int, tiles: int, vec: int) -> None:
@@ -534,6 +541,7 @@ def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
     sch.reorder(n0, k0, n1, k1)
     sch.unroll(n1)
     sch.vectorize(k1)
+    return k0, n1
 
 
 # The "kn" gemv: per task GEMV_KN_SPAN columns (24 vectors, 1.5 KB of a float32 row of B),
