@@ -104,15 +104,22 @@ def test_packed_a_copy_rule():
     assert not cpu_schedules.packs_a(dynamic_k, 64)
 
 
-def test_packed_pack_of_an_nk_weight_prefetches():
-    # The float32 packed kernel's transposing pack of a "nk" weight asks for its next lines
-    # (cpu_pack_prefetch); a "kn" weight is copied without it.
-    cpu = host_cpu()
-    if cpu.vector_registers < 32:
-        pytest.skip("the 6 x 64 tile of AVX-512")
-    nk = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, "nk"), cpu).script()
-    kn = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, "kn"), cpu).script()
-    assert nk.count("llvm.prefetch") == 1 and "llvm.prefetch" not in kn
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_packed_kernel_pack_prefetches(isa):
+    # The float32 packed kernel's pack of B asks for the lines it reads next
+    # (cpu_pack_prefetch): the transposing pack of a "nk" weight, the copy of a "kn" one;
+    # with the AVX2 tile too (8 x 8 transposes, 16-wide panels), which must still build.
+    import tvm
+
+    from torch_tvm_gemm.target import CpuInfo
+
+    features = {"avx2", "fma"} | ({"avx512f"} if isa == "avx512" else set())
+    cpu = CpuInfo("x86_64", "", frozenset(features), 2 << 20)
+    for layout in ("nk", "kn"):
+        mod = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, layout), cpu)
+        assert mod.script().count("llvm.prefetch") == 1
+        if isa == "avx2":
+            tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}))
 
 
 @pytest.mark.parametrize("m", [600, 1100, 2100])

@@ -1,4 +1,5 @@
-"""A software prefetch in the packed kernel's pack of a "nk" weight (``prefetch_pack_reads``).
+"""Software prefetches in the packed kernel's pack of B (``prefetch_pack_reads`` for a "nk"
+weight, ``prefetch_copy_reads`` for a "kn" one).
 
 The pack (``cpu._transpose_in_tiles``) reads VEC rows of the weight at a time, a VEC x VEC
 tile per step along K. From L3, where a model's weights are, it ran far below the L3's rate
@@ -14,80 +15,119 @@ the 12 readings +0.6% or more), M = 256 -0.4% to +3.5%, M = 1024 -2.5% to +4%; t
 alone (M = 6, one thread, 768 x 768) +22%. 128 values ahead measured about the same, with
 two readings at -10%; 256 and 512, +18% and +13% on the pack alone.
 
+A "kn" B (transformers' Conv1D weight, x @ W) is packed by a copy of NR values from each of
+its K rows, rows N values apart: each row now first asks for the row AHEAD_ROWS further. Same
+measurement (GPT-2's 2304 x 768, 768 x 768, 3072 x 768, 768 x 3072; against torch.addmm):
+M = 128 -0.4% to +3.9%, M = 256 -0.6% to +5.5%, M = 1024 -1.4% to +3%; the pack alone (M = 6,
+one thread) +6% to +13%. 16 rows ahead: about the same.
+
 TensorIR's schedule primitives cannot place a prefetch, so it is added to the scheduled
-module: the loop over the tiles along K gets, first in its body, VEC prefetches."""
+module: the pack's loop over tiles along K ("nk") or over rows ("kn") gets the prefetches
+first in its body."""
 
 from __future__ import annotations
 
 AHEAD = 64  # values ahead along a row (4 cache lines of float32: 4 tiles)
+AHEAD_ROWS = 8  # "kn": rows ahead
+LINE = 16  # float32 values in a 64-byte cache line
 
 
 def prefetch_pack_reads(mod, k_tiles, rows_in_tile, vec: int):
     """``mod`` with the prefetches above. ``k_tiles``: the loop variable of the pack's loop
     over tiles along K; ``rows_in_tile``: that of its (unrolled) loop over a tile's rows."""
-    from tvm import s_tir, tirx
+    from tvm import tirx
 
-    func = mod["main"]
-    b = func.params[1]  # buffers are typed variables: the weight, (N, K)
+    b = mod["main"].params[1]  # buffers are typed variables: the weight, (N, K)
     n, k = b.ty.shape
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    row = _pack_row(func.body)
+    row = _pack_bindings(mod["main"].body)[0]
     at = k_tiles * i64(vec) + i64(AHEAD)
     index = [tirx.min(row + i64(vec) * (at // k), n - i64(1)), at % k]
+    loop = tirx.For(rows_in_tile, i64(0), i64(vec), tirx.ForKind.UNROLLED, _prefetch(b, index))
+    return _first_in(mod, k_tiles, loop)
+
+
+def prefetch_copy_reads(mod, k_rows, columns, nr: int):
+    """The same for the pack of a "kn" weight, a copy of each row's NR columns (``columns``:
+    that loop's variable): each row first asks for the row AHEAD_ROWS further (its NR
+    values: NR / 16 cache lines)."""
+    from tvm import tirx
+
+    b = mod["main"].params[1]  # (K, N)
+    k, n = b.ty.shape
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    row, column = _pack_bindings(mod["main"].body)
+    index = [tirx.min(row + i64(AHEAD_ROWS), k - i64(1)), tirx.min(column, n - i64(1))]
+    # One prefetch a cache line: the unrolled loop keeps the columns at whole lines.
+    wanted = tirx.EQ(tirx.floormod(columns, i64(LINE)), i64(0))
+    body = tirx.IfThenElse(wanted, _prefetch(b, index), None)
+    loop = tirx.For(columns, i64(0), i64(nr), tirx.ForKind.UNROLLED, body)
+    return _first_in(mod, k_rows, loop)
+
+
+def _prefetch(b, index):
+    from tvm import tirx
+
     read, keep, data = (tirx.const(v, "int32") for v in (0, 3, 1))
     address = tirx.address_of(tirx.BufferLoad(b, index))
-    prefetch = tirx.Evaluate(
+    return tirx.Evaluate(
         tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, read, keep, data)
     )
-    # The prefetch loop reuses the rows' loop variable, then gets its own (renew_defs).
-    loop = tirx.For(rows_in_tile, i64(0), i64(vec), tirx.ForKind.UNROLLED, prefetch)
-    loop = s_tir.renew_defs(tirx.PrimFunc([], loop)).body
 
-    def rewrite(stmt):
-        if isinstance(stmt, tirx.For):
-            if stmt.loop_var.same_as(k_tiles):
-                return _with_body(stmt, tirx.SeqStmt([loop, stmt.body]))
-            body = rewrite(stmt.body)
-            return stmt if body.same_as(stmt.body) else _with_body(stmt, body)
-        if isinstance(stmt, tirx.SeqStmt):
-            seq = [rewrite(s) for s in stmt.seq]
-            if all(new.same_as(old) for new, old in zip(seq, stmt.seq, strict=True)):
-                return stmt
+
+def _first_in(mod, loop_var, stmt):
+    """``mod`` with ``stmt`` first in the body of the loop over ``loop_var``; ``stmt`` reuses
+    variables of the loops inside, so it is given its own (renew_defs)."""
+    from tvm import s_tir, tirx
+
+    stmt = s_tir.renew_defs(tirx.PrimFunc([], stmt)).body
+
+    def rewrite(node):
+        if isinstance(node, tirx.For):
+            if node.loop_var.same_as(loop_var):
+                return _with_body(node, tirx.SeqStmt([stmt, node.body]))
+            body = rewrite(node.body)
+            return node if body.same_as(node.body) else _with_body(node, body)
+        if isinstance(node, tirx.SeqStmt):
+            seq = [rewrite(s) for s in node.seq]
+            if all(new.same_as(old) for new, old in zip(seq, node.seq, strict=True)):
+                return node
             return tirx.SeqStmt(seq)
-        if isinstance(stmt, s_tir.SBlockRealize):
-            block = rewrite(stmt.block)
-            if block.same_as(stmt.block):
-                return stmt
-            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
-        if isinstance(stmt, s_tir.SBlock):
-            body = rewrite(stmt.body)
-            if body.same_as(stmt.body):
-                return stmt
-            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body,
-                                stmt.init, stmt.alloc_buffers, stmt.match_buffers,
-                                stmt.annotations)  # fmt: skip
-        return stmt
+        if isinstance(node, s_tir.SBlockRealize):
+            block = rewrite(node.block)
+            if block.same_as(node.block):
+                return node
+            return s_tir.SBlockRealize(node.iter_values, node.predicate, block)
+        if isinstance(node, s_tir.SBlock):
+            body = rewrite(node.body)
+            if body.same_as(node.body):
+                return node
+            return s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, body,
+                                node.init, node.alloc_buffers, node.match_buffers,
+                                node.annotations)  # fmt: skip
+        return node
 
+    func = mod["main"]
     body = rewrite(func.body)
     if body.same_as(func.body):
-        raise RuntimeError("prefetch_pack_reads: the pack's loop over K tiles was not found")
+        raise RuntimeError("cpu_pack_prefetch: the pack's loop was not found")
     mod["main"] = func.with_body(body)
     return mod
 
 
-def _pack_row(stmt):
-    """The row of the weight the pack ("B_pad") reads: its first binding."""
+def _pack_bindings(stmt):
+    """The (row, column) of the weight the pack ("B_pad") reads: its block's bindings."""
     from tvm import s_tir, tirx
 
     if isinstance(stmt, s_tir.SBlockRealize):
         if stmt.block.name_hint == "B_pad":
-            return stmt.iter_values[0]
-        return _pack_row(stmt.block.body)
+            return list(stmt.iter_values)
+        return _pack_bindings(stmt.block.body)
     if isinstance(stmt, s_tir.SBlock | tirx.For):
-        return _pack_row(stmt.body)
+        return _pack_bindings(stmt.body)
     if isinstance(stmt, tirx.SeqStmt):
         for s in stmt.seq:
-            found = _pack_row(s)
+            found = _pack_bindings(s)
             if found is not None:
                 return found
     return None
