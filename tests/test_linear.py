@@ -120,6 +120,8 @@ def test_packed_kernel_pack_prefetches(isa):
         assert mod.script().count("llvm.prefetch") == 1
         if isa == "avx2":
             tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}))
+    batched = gemm_spec("float32", 128, 128, 64, "nk", batched=True)
+    assert cpu_schedules.schedule_gemm(batched, cpu).script().count("llvm.prefetch") == 1
 
 
 @pytest.mark.parametrize("m", [600, 1100, 2100])

@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv, cpu_pack_prefetch
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 27  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 28  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -240,7 +240,10 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         _schedule_packed_kblocked(sch, spec, mr, nr, vec)
     elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
-        _schedule_packed_batched(sch, spec, mr, nr, vec)
+        pack_loops = _schedule_packed_batched(sch, spec, mr, nr, vec)
+        if pack_loops is not None and spec.dtype == "float32":
+            loops = [sch.get(loop).loop_var for loop in pack_loops]
+            return cpu_pack_prefetch.prefetch_pack_reads(sch.mod, *loops, vec)
     elif spec.variant in ("dot", "dot2"):
         if spec.b_layout != "nk":
             raise ValueError(f"bad GemmSpec {spec}: the dot variant reads a (N, K) weight")
@@ -668,9 +671,10 @@ def _schedule_dot_nk(sch, spec: GemmSpec, vec: int, tile: tuple[int, int]) -> No
     sch.decompose_reduction(rf, ko)
 
 
-def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
     """The packed schedule per batch entry, (batch, N panel) fused into one parallel loop: one
-    launch for the whole batch, each task packing and using its own panel."""
+    launch for the whole batch, each task packing and using its own panel. Returns the
+    transposing pack's loops of a "nk" B (for ``cpu_pack_prefetch``), else None."""
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     a_pad, b_pad = sch.get_sblock("A_pad"), sch.get_sblock("B_pad")
     if spec.dtype == spec.acc_dtype:
@@ -701,6 +705,8 @@ def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int) ->
     sch.parallel(task)
     if not in_place:
         sch.compute_at(b_pad, task)
+    pack_loops = None
     if spec.b_layout == "nk":
-        _transpose_in_tiles(sch, b_pad, vec)
+        pack_loops = _transpose_in_tiles(sch, b_pad, vec)
     sch.decompose_reduction(acc, k)
+    return pack_loops
