@@ -530,7 +530,7 @@ def _const_extent(sch, loop) -> int | None:
     return int(extent) if hasattr(extent, "value") else None
 
 
-def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
+def _transpose_in_tiles(sch, b_pad, vec: int):
     """Pack a "nk" B (a Linear weight, read along K) into N-contiguous panels by VEC x VEC
     tiles: per tile, VEC vector loads along K, unrolled over VEC rows, which LLVM turns into an
     in-register transpose. Left as one (n, k) loop nest, the pack wrote one float per cache
@@ -540,7 +540,9 @@ def _transpose_in_tiles(sch, b_pad, vec: int) -> None:
     flight at once the prefetchers lost track of them once the weight came from L3, as it
     does in a model (measured in situ, 2 threads, converted/eager: BERT-style encoder batch 1
     0.93-0.97x -> 1.03-1.07x, LLaMA-style stack 0.95-0.97x -> 1.02x; the same kernels timed
-    alone on a weight kept hot in L2, within noise of each other)."""
+    alone on a weight kept hot in L2, within noise of each other).
+
+    Returns the (tiles along K, rows of a tile) loops."""
     n, k = sch.get_loops(b_pad)[-2:]
     k0, k1 = sch.split(k, [None, vec])
     n0, n1 = sch.split(n, [None, vec])
