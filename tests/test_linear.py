@@ -334,6 +334,17 @@ def test_swap_needs_avx512():
     assert cpu.swap_max_k(avx512) == 4096
 
 
+@pytest.mark.parametrize("m,n", [(1, 1), (20, 2), (300, 70), (32, 4096), (60, 5000)])
+def test_products_with_k_one(m, n):
+    # K = 1 (an outer product): the packed kernel's pack then has no K loop (it failed to
+    # build); the swap variants (M = 32, 60 with 4096+ rows) and batched kernels as well.
+    x, w, b = randn(m, 1), randn(n, 1), randn(n)
+    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), 1)
+    assert_close(tg.matmul(x, w.t().contiguous()), x.double() @ w.t().double(), 1)
+    xb, wb = randn(2, m, 1), randn(2, n, 1)
+    assert_close(tg.matmul(xb, wb.transpose(1, 2)), xb.double() @ wb.transpose(1, 2).double(), 1)
+
+
 def test_linear_non_contiguous():
     x = randn(9, 80)[:, ::2]
     w = randn(40, 19).t()  # (19, 40), not contiguous

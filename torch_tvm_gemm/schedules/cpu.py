@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv, cpu_pack_prefetch
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 28  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 29  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -273,7 +273,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     else:
         sch = s_tir.Schedule(gemm_compute(spec, mr, nr))
         pack_loops = _schedule_packed(sch, spec, mr, nr, vec)
-        if spec.dtype == "float32":
+        if pack_loops is not None and spec.dtype == "float32":
             loops = [sch.get(loop).loop_var for loop in pack_loops]
             if spec.b_layout == "nk":
                 return cpu_pack_prefetch.prefetch_pack_reads(sch.mod, *loops, vec)
@@ -384,7 +384,7 @@ def task_order(spec: GemmSpec, nr: int, vec: int) -> tuple[int, int]:
 
 def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
     """Returns the pack's loops for ``cpu_pack_prefetch``: (K tiles, rows of a tile) where it
-    transposes a "nk" B, (rows, columns) where it copies a "kn" one."""
+    transposes a "nk" B, (rows, columns) where it copies a "kn" one; None at K = 1."""
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     b_pad = _pad_operands(sch, spec, nr, mr if packs_a(spec, nr) else None)
     i, j, k = sch.get_loops(acc)
@@ -406,9 +406,11 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
     # Pack each panel right before its use, by the thread that uses it, while it is in
     # cache (measured +5-10% at M=256 over packing all of B first); once per chunk of A.
     sch.compute_at(b_pad, task)
-    if spec.b_layout == "nk":
+    pack_loops = None
+    # (At K = 1, compute_at leaves the pack no K loop: a plain copy then.)
+    if spec.b_layout == "nk" and spec.k != 1:
         pack_loops = _transpose_in_tiles(sch, b_pad, vec)
-    else:
+    elif spec.k != 1:
         pack_loops = sch.get_loops(b_pad)[-2:]
     sch.decompose_reduction(acc, k)
     return pack_loops
@@ -708,7 +710,7 @@ def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
     if not in_place:
         sch.compute_at(b_pad, task)
     pack_loops = None
-    if spec.b_layout == "nk":
+    if spec.b_layout == "nk" and spec.k != 1:  # (as in _schedule_packed)
         pack_loops = _transpose_in_tiles(sch, b_pad, vec)
     sch.decompose_reduction(acc, k)
     return pack_loops
