@@ -72,6 +72,7 @@ def prefetch_copy_reads(mod, k_rows, columns, nr: int):
 def _prefetch(b, index):
     from tvm import tirx
 
+    # llvm.prefetch(address, read, locality 3 = every cache level (prefetcht0), data)
     read, keep, data = (tirx.const(v, "int32") for v in (0, 3, 1))
     address = tirx.address_of(tirx.BufferLoad(b, index))
     return tirx.Evaluate(
