@@ -241,9 +241,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
         pack_loops = _schedule_packed_batched(sch, spec, mr, nr, vec)
-        if pack_loops is not None and spec.dtype == "float32":
-            loops = [sch.get(loop).loop_var for loop in pack_loops]
-            return cpu_pack_prefetch.prefetch_pack_reads(sch.mod, *loops, vec)
+        return cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
     elif spec.variant in ("dot", "dot2"):
         if spec.b_layout != "nk":
             raise ValueError(f"bad GemmSpec {spec}: the dot variant reads a (N, K) weight")
@@ -273,11 +271,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     else:
         sch = s_tir.Schedule(gemm_compute(spec, mr, nr))
         pack_loops = _schedule_packed(sch, spec, mr, nr, vec)
-        if pack_loops is not None and spec.dtype == "float32":
-            loops = [sch.get(loop).loop_var for loop in pack_loops]
-            if spec.b_layout == "nk":
-                return cpu_pack_prefetch.prefetch_pack_reads(sch.mod, *loops, vec)
-            return cpu_pack_prefetch.prefetch_copy_reads(sch.mod, *loops, nr)
+        return cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
     return sch.mod
 
 

@@ -36,6 +36,17 @@ AHEAD_ROWS = 8  # "kn": rows ahead
 LINE = 16  # float32 values in a 64-byte cache line
 
 
+def with_pack_prefetch(sch, spec, pack_loops, nr: int, vec: int):
+    """The module of the scheduled packed kernel ``sch``, its pack of B prefetching (float32;
+    ``pack_loops``: what the schedule returned, None where the pack has no such loops)."""
+    if pack_loops is None or spec.dtype != "float32":
+        return sch.mod
+    loops = [sch.get(loop).loop_var for loop in pack_loops]
+    if spec.b_layout == "nk":
+        return prefetch_pack_reads(sch.mod, *loops, vec)
+    return prefetch_copy_reads(sch.mod, *loops, nr)
+
+
 def prefetch_pack_reads(mod, k_tiles, rows_in_tile, vec: int):
     """``mod`` with the prefetches above. ``k_tiles``: the loop variable of the pack's loop
     over tiles along K; ``rows_in_tile``: that of its (unrolled) loop over a tile's rows."""
