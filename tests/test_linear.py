@@ -124,6 +124,34 @@ def test_packed_kernel_pack_prefetches(isa):
     assert cpu_schedules.schedule_gemm(batched, cpu).script().count("llvm.prefetch") == 1
 
 
+def test_pack_transpose_rule():
+    # The pack of a "nk" B transposes its tiles with cpu_transpose's shuffles only where every
+    # tile is whole: float32, 16-wide vectors, K of whole tiles, N of whole 64-wide panels and
+    # an even count of them for the two halves of the tasks.
+    def applies(n, k, dtype="float32", vec=16, halves=2, static_k=True):
+        spec = gemm_spec(dtype, 200, n, k, "nk", static_k=static_k)
+        return cpu_schedules.transposes_in_registers(spec, 4 * vec, vec, halves)
+
+    assert applies(768, 768) and applies(128, 64) and applies(192, 64, halves=1)
+    assert not applies(320, 768)  # 5 panels: the second half has a missing panel
+    assert not applies(330, 768) and not applies(768, 100)  # a clamped column, a part tile
+    assert not applies(768, 768, "bfloat16") and not applies(768, 768, vec=8)
+    assert not applies(768, 768, static_k=False)
+
+
+@pytest.mark.parametrize("m", [33, 130])
+@pytest.mark.parametrize("k,n", [(64, 128), (160, 256)])
+def test_linear_with_the_pack_transposed_in_registers(m, k, n):
+    spec = gemm_spec("float32", m, n, k, "nk", bias=True, activation="relu")
+    assert spec.variant == "gemm"
+    if host_cpu().vector_bytes == 64:
+        mod = cpu_schedules.schedule_gemm(spec)
+        assert mod.script().count("T.Shuffle") == 64  # the intrinsic: 4 rounds of 16
+        assert mod.script().count("llvm.prefetch") == 1  # and the pack still prefetches
+    x, w, b = randn(m, k), randn(n, k), randn(n)
+    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
+
+
 @pytest.mark.parametrize("m", [600, 1100, 2100])
 @pytest.mark.parametrize(
     "k,n",

@@ -71,6 +71,17 @@ def test_batched_matmul_is_one_kernel(m, k, n, dtype):
     assert {s.b_layout: s.k for s in specs} == {"kn": None, "nk": k}
 
 
+@pytest.mark.parametrize("s", [128, 67])
+def test_attention_scores_batched(s):
+    # Q @ K^T at attention's shapes: S = 128 packs K^T by cpu_transpose's whole 16 x 16 tiles
+    # (two 64-wide panels); S = 67 by LLVM's transpose (a clamped last panel). Odd batch and
+    # M, K^T read in place.
+    q, key = randn(7, s, 64), randn(7, s, 64)
+    kt = key.transpose(1, 2)
+    assert_close(tg.matmul(q, kt), torch.matmul(q.double(), kt.double()), 64)
+    assert_close(tg.matmul(q[:, :37], kt), torch.matmul(q[:, :37].double(), kt.double()), 64)
+
+
 @pytest.mark.parametrize(
     "dtype,n", [(torch.float32, 64), (torch.float64, 32), (torch.bfloat16, 64)], ids=str
 )

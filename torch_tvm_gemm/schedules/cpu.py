@@ -43,10 +43,10 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx, cpu_gemv, cpu_pack_prefetch
+from . import cpu_amx, cpu_gemv, cpu_pack_prefetch, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 29  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 30  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -403,7 +403,8 @@ def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
     pack_loops = None
     # (At K = 1, compute_at leaves the pack no K loop: a plain copy then.)
     if spec.b_layout == "nk" and spec.k != 1:
-        pack_loops = _transpose_in_tiles(sch, b_pad, vec)
+        in_registers = transposes_in_registers(spec, nr, vec, halves)
+        pack_loops = _transpose_in_tiles(sch, b_pad, vec, in_registers)
     elif spec.k != 1:
         pack_loops = sch.get_loops(b_pad)[-2:]
     sch.decompose_reduction(acc, k)
@@ -480,7 +481,8 @@ def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -
     sch.compute_at(b_pad, c)
     if spec.b_layout == "nk":
         # (rows of the weight 16 at a time along the whole chunk: 1.05x against 0.94x torch
-        # with the chunk's rows all in flight)
+        # with the chunk's rows all in flight). LLVM's transpose: ``cpu_transpose`` measured
+        # +5-6% at M = 128 but -4 to -6% at M = 512 here (N = 4096, K = 11008).
         _transpose_in_tiles(sch, b_pad, vec)
     sch.unroll(ii)
     sch.unroll(jio)
@@ -526,11 +528,31 @@ def _const_extent(sch, loop) -> int | None:
     return int(extent) if hasattr(extent, "value") else None
 
 
-def _transpose_in_tiles(sch, b_pad, vec: int):
+# The pack of a "nk" B transposes each 16 x 16 tile with ``cpu_transpose``'s shuffles (4
+# two-input shuffles and one full store per 16 values) where LLVM, given the tile as 16
+# vector loads, took it apart in 128-bit pieces (~12 shuffles and 4 narrow stores per 16
+# values): float32 on AVX-512, a static K of whole tiles, N of whole panels (no clamped
+# columns), and as many panels for each half of the tasks (else the halves' bound is a
+# predicate on the tile, which the intrinsic cannot take). Kernels alone, 2 threads, Intel
+# Xeon at ~3.4 GHz, a ring of 8 weights, against torch.addmm / torch.bmm, LLVM's transpose ->
+# these shuffles: the pack alone (M = 6) +4% to +7%; M = 128, 768 x 768, 3072 x 768, 768 x 3072
+# +1.4% to +2.5%; M = 256 +1% to +5%; M = 1024 -1.8% to +5.7% (512 x 1376: +5%); `Q @ K^T`,
+# B*H = 12 and 96, S = 128, D = 64, +2.5% to +3.4%. (The pack reads the weight from L3 at
+# about the core's rate either way: the gain is the instructions, not the traffic.)
+def transposes_in_registers(spec: GemmSpec, nr: int, vec: int, halves: int = 1) -> bool:
+    """Whether the packed kernel's pack of a "nk" B uses ``cpu_transpose`` (see above)."""
+    if spec.dtype != "float32" or vec != cpu_transpose.SIZE or spec.k is None:
+        return False
+    panels, exact = divmod(spec.n, nr)
+    return spec.k % vec == 0 and exact == 0 and panels % halves == 0
+
+
+def _transpose_in_tiles(sch, b_pad, vec: int, in_registers: bool = False):
     """Pack a "nk" B (a Linear weight, read along K) into N-contiguous panels by VEC x VEC
     tiles: per tile, VEC vector loads along K, unrolled over VEC rows, which LLVM turns into an
-    in-register transpose. Left as one (n, k) loop nest, the pack wrote one float per cache
-    line per step and cost four times the math at M=32 (docs/inference-shapes.md).
+    in-register transpose, or with ``in_registers`` the tile as one ``cpu_transpose`` block.
+    Left as one (n, k) loop nest, the pack wrote one float per cache line per step and cost
+    four times the math at M=32 (docs/inference-shapes.md).
 
     VEC rows of the weight at a time, each read along all of K: with a panel's 64 rows all in
     flight at once the prefetchers lost track of them once the weight came from L3, as it
@@ -538,11 +560,14 @@ def _transpose_in_tiles(sch, b_pad, vec: int):
     0.93-0.97x -> 1.03-1.07x, LLaMA-style stack 0.95-0.97x -> 1.02x; the same kernels timed
     alone on a weight kept hot in L2, within noise of each other).
 
-    Returns the (tiles along K, rows of a tile) loops."""
+    Returns the (tiles along K, rows of a tile) loops; the second None with ``in_registers``."""
     n, k = sch.get_loops(b_pad)[-2:]
     k0, k1 = sch.split(k, [None, vec])
     n0, n1 = sch.split(n, [None, vec])
     sch.reorder(n0, k0, n1, k1)
+    if in_registers:
+        sch.tensorize(n1, cpu_transpose.intrinsic())
+        return k0, None
     sch.unroll(n1)
     sch.vectorize(k1)
     return k0, n1
@@ -705,6 +730,7 @@ def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
         sch.compute_at(b_pad, task)
     pack_loops = None
     if spec.b_layout == "nk" and spec.k != 1:  # (as in _schedule_packed)
-        pack_loops = _transpose_in_tiles(sch, b_pad, vec)
+        in_registers = transposes_in_registers(spec, nr, vec)
+        pack_loops = _transpose_in_tiles(sch, b_pad, vec, in_registers)
     sch.decompose_reduction(acc, k)
     return pack_loops

@@ -41,7 +41,7 @@ def with_pack_prefetch(sch, spec, pack_loops, nr: int, vec: int):
     ``pack_loops``: what the schedule returned, None where the pack has no such loops)."""
     if pack_loops is None or spec.dtype != "float32":
         return sch.mod
-    loops = [sch.get(loop).loop_var for loop in pack_loops]
+    loops = [None if loop is None else sch.get(loop).loop_var for loop in pack_loops]
     if spec.b_layout == "nk":
         return prefetch_pack_reads(sch.mod, *loops, vec)
     return prefetch_copy_reads(sch.mod, *loops, nr)
@@ -49,13 +49,19 @@ def with_pack_prefetch(sch, spec, pack_loops, nr: int, vec: int):
 
 def prefetch_pack_reads(mod, k_tiles, rows_in_tile, vec: int):
     """``mod`` with the prefetches above. ``k_tiles``: the loop variable of the pack's loop
-    over tiles along K; ``rows_in_tile``: that of its (unrolled) loop over a tile's rows."""
+    over tiles along K; ``rows_in_tile``: that of its (unrolled) loop over a tile's rows, or
+    None where a tile is one block (``cpu_transpose``: its bindings count whole tiles)."""
     from tvm import tirx
 
     b = mod["main"].params[1]  # buffers are typed variables: the weight, ([batch,] N, K)
     n, k = b.ty.shape[-2:]
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    *batch, row, _ = _pack_bindings(mod["main"].body)
+    if rows_in_tile is None:
+        rows_in_tile = tirx.Var("r", "int64")
+        *batch, tile, _ = _pack_bindings(mod["main"].body, "B_pad_o")
+        row = tile * i64(vec) + rows_in_tile
+    else:
+        *batch, row, _ = _pack_bindings(mod["main"].body)
     at = k_tiles * i64(vec) + i64(AHEAD)
     index = [*batch, tirx.min(row + i64(vec) * (at // k), n - i64(1)), at % k]
     loop = tirx.For(rows_in_tile, i64(0), i64(vec), tirx.ForKind.UNROLLED, _prefetch(b, index))
@@ -131,19 +137,19 @@ def _first_in(mod, loop_var, stmt):
     return mod
 
 
-def _pack_bindings(stmt):
-    """The (row, column) of the weight the pack ("B_pad") reads: its block's bindings."""
+def _pack_bindings(stmt, name: str = "B_pad"):
+    """The (row, column) of the weight the pack (block ``name``) reads: its bindings."""
     from tvm import s_tir, tirx
 
     if isinstance(stmt, s_tir.SBlockRealize):
-        if stmt.block.name_hint == "B_pad":
+        if stmt.block.name_hint == name:
             return list(stmt.iter_values)
-        return _pack_bindings(stmt.block.body)
+        return _pack_bindings(stmt.block.body, name)
     if isinstance(stmt, s_tir.SBlock | tirx.For):
-        return _pack_bindings(stmt.body)
+        return _pack_bindings(stmt.body, name)
     if isinstance(stmt, tirx.SeqStmt):
         for s in stmt.seq:
-            found = _pack_bindings(s)
+            found = _pack_bindings(s, name)
             if found is not None:
                 return found
     return None
