@@ -166,7 +166,12 @@ def test_linear_padded_k_and_panel_groups(k, n):
 
 
 def test_panels_per_task():
-    assert [cpu_amx.panels_per_task(p) for p in (1, 4, 7, 8, 16, 24, 43)] == [1, 1, 2, 2, 4, 4, 4]
+    assert [cpu_amx.panels_per_task(p) for p in (1, 4, 7, 8, 16, 24)] == [1, 1, 2, 2, 4, 4]
+    # Few tasks: the group that leaves the busier of two threads the fewest panels, of two
+    # panels or more (43: 11 tasks of 4 would give one thread 24 panels, 22 tasks of 2 give
+    # 22; 10: 5 tasks of 2, not 10 of 1); from FEW_TASKS tasks on, the most panels a task.
+    assert [cpu_amx.panels_per_task(p) for p in (43, 20, 60, 10, 13)] == [2, 2, 3, 2, 4]
+    assert cpu_amx.panels_per_task(4 * cpu_amx.FEW_TASKS + 3) == 4
     assert cpu_amx.panels_per_task(43, batched=True) == 1  # (the batch entries are tasks)
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 12  # (9: x packed in parallel, undone: not measurably faster)
+SCHEDULE_VERSION = 13  # (9: x packed in parallel, undone: not measurably faster)
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -489,16 +489,37 @@ def panels_per_task(panels: int, batched: bool = False, most: int = PANELS_PER_T
     """The panels of a task: the most (up to ``most``) that divide the panels into 4 tasks or
     more; where none does (N = 1376: 43 panels), a 2-D GEMM still takes the most that leave
     4 tasks, its last task repeating its last panel (``_panel_of``) rather than every task
-    running one panel. (Batched: the batch entries are tasks too, so a task may hold all of
-    an entry's panels.)"""
-    for g in range(most, 1, -1):
-        if panels % g == 0 and (batched or panels // g >= 4):
-            return g
-    if not batched:
-        for g in range(most, 1, -1):
-            if -(-panels // g) >= 4:
-                return g
-    return 1
+    running one panel. With fewer than FEW_TASKS tasks, a 2-D GEMM takes the group (of 2
+    panels or more) that leaves the busier of two threads the fewest panels (see there).
+    (Batched: the batch entries are tasks too, so a task may hold all of an entry's
+    panels.)"""
+    if batched:
+        return next((g for g in range(most, 1, -1) if panels % g == 0), 1)
+    groups = [g for g in range(most, 0, -1) if -(-panels // g) >= 4]
+    best = next((g for g in groups if panels % g == 0 and g > 1), groups[0] if groups else 1)
+
+    def busier(g: int) -> int:  # panels the busier of two threads computes (repeats too)
+        tasks = -(-panels // g)
+        return (tasks + 1) // 2 * g
+
+    if -(-panels // best) < FEW_TASKS:
+        fewer = min((g for g in groups if g > 1), key=busier, default=best)
+        best = fewer if busier(fewer) < busier(best) else best
+    return best
+
+
+# Two threads share the tasks of the 2-D tile GEMM as two runs: with few tasks, an odd count
+# leaves one of them a task more (N = 1376: 11 tasks of 4 panels, 24 panels against 20; N =
+# 640: 5 tasks of 4, 12 against 8). Below FEW_TASKS tasks the group is the one (2 panels or
+# more) that leaves the busier thread the fewest panels: 1376 -> 22 tasks of 2 (22 against
+# 22), 640 -> 10 of 2. Kernels alone (2 threads, Intel Xeon at ~3.4 GHz, against F.linear
+# in bf16, oneDNN on AMX), 4 panels a task -> 2: N = 1376, K = 512, M = 128 +1.5% to +8%,
+# M = 256 +5% to +12%, M = 512 +5% to +6%, M = 1024 +2.5% to +10%, M = 2048 +0%; K = 768
+# M = 256 +11%, M = 1024 -0.4%; N = 640, K = 512: M = 128 +14%, M = 256 +16%, M = 512 +12%,
+# M = 1024 +7% to +9%; K = 768 M = 256 +23%, M = 1024 +10%. Not down to one panel a task:
+# N = 320, 5 tasks of 2 -> 10 of 1, M = 1024 -3% / -7% (K = 512 / 768: each block of A then
+# read for one panel only).
+FEW_TASKS = 16
 
 
 def _panel_of(tirx, panels: int, group: int):
