@@ -535,10 +535,11 @@ def _const_extent(sch, loop) -> int | None:
 # columns), and as many panels for each half of the tasks (else the halves' bound is a
 # predicate on the tile, which the intrinsic cannot take). Kernels alone, 2 threads, Intel
 # Xeon at ~3.4 GHz, a ring of 8 weights, against torch.addmm / torch.bmm, LLVM's transpose ->
-# these shuffles: the pack alone (M = 6) +4% to +7%; M = 128, 768 x 768, 3072 x 768, 768 x 3072
-# +1.4% to +2.5%; M = 256 +1% to +5%; M = 1024 -1.8% to +5.7% (512 x 1376: +5%); `Q @ K^T`,
-# B*H = 12 and 96, S = 128, D = 64, +2.5% to +3.4%. (The pack reads the weight from L3 at
-# about the core's rate either way: the gain is the instructions, not the traffic.)
+# these shuffles: the pack alone (M = 6-7) +3% to +7%; M = 128 +1.4% to +5.4% (BERT, GPT-2 and
+# LLaMA-style shapes, 512 x 512 to 4096 x 4096); M = 256 +1% to +5%; M = 512 +0.4% to +3%;
+# M = 1024 -1.8% to +5.7% (five readings of eight above 0); `Q @ K^T`, B*H = 12 and 96,
+# S = 128, D = 64, +1.6% to +3.4% (docs/inference-shapes.md section 15). (The pack reads the
+# weight from L3 at about the core's rate either way: the gain is the instructions.)
 def transposes_in_registers(spec: GemmSpec, nr: int, vec: int, halves: int = 1) -> bool:
     """Whether the packed kernel's pack of a "nk" B uses ``cpu_transpose`` (see above)."""
     if spec.dtype != "float32" or vec != cpu_transpose.SIZE or spec.k is None:
