@@ -13,6 +13,7 @@ import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.ops.gemm_ops import gemm_spec
 from torch_tvm_gemm.schedules import cpu as cpu_schedules
+from torch_tvm_gemm.schedules import cpu_tile_store
 from torch_tvm_gemm.schedules.cpu import gemm_variant
 from torch_tvm_gemm.target import host_cpu
 
@@ -80,15 +81,41 @@ def test_linear_every_m_range(m, k, n):
 
 
 def test_packed_task_order_rule():
-    # (halves of the panels, rows of A per chunk): halves only for N a whole number of
-    # vectors and two panels or more; long chunks up to K = 2048.
-    def order(n, k):
-        return cpu_schedules.task_order(gemm_spec("float32", 2000, n, k, "nk"), 64, 16)
+    # (halves of the panels, rows of A per chunk): halves for two panels or more, and for an N
+    # off the vectors only where the tiles are stored from registers (float32 / float64: the
+    # store is then split at the whole panels, cpu_tile_store); long chunks up to K = 2048.
+    def order(n, k, dtype="float32"):
+        return cpu_schedules.task_order(gemm_spec(dtype, 2000, n, k, "nk"), 64, 16)
 
     assert order(768, 768) == (2, cpu_schedules.LONG_CHUNK_ROWS)
     assert order(320, 3000) == (2, cpu_schedules.M_CHUNK_ROWS)
-    assert order(100, 768) == (1, cpu_schedules.SHORT_CHUNK_ROWS)  # N % 16 != 0
+    assert order(100, 768) == (2, cpu_schedules.LONG_CHUNK_ROWS)  # N % 16 != 0
+    assert order(100, 768, "float16") == (1, cpu_schedules.SHORT_CHUNK_ROWS)
     assert order(48, 768) == (1, cpu_schedules.SHORT_CHUNK_ROWS)  # one panel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("m", [100, 130, 1100])
+@pytest.mark.parametrize("n,layout", [(1000, "nk"), (70, "kn"), (333, "nk")])
+def test_packed_n_off_the_vectors(n, layout, m, dtype):
+    # N not a whole number of vectors (a 1000-class head, GPT-2's 50257), in halves of the
+    # panels: each tile's store is split, a copy without the column bound for the panels
+    # below N, over one chunk of rows and several. The kernel's output starts as NaN: every
+    # value must be written.
+    from torch_tvm_gemm.runtime.table import get_kernel
+
+    k = 96
+    spec = gemm_spec(str(dtype).split(".")[1], m, n, k, layout, bias=True, activation="relu")
+    assert spec.variant == "gemm"
+    if dtype == torch.float32 and host_cpu().vector_registers >= 32:
+        assert cpu_tile_store.splits(cpu_schedules.schedule_gemm(spec))
+    x, w, b = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype), randn(n, dtype=dtype)
+    expected = reference(x, w, b, "relu")
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    get_kernel(spec)(x, w if layout == "nk" else w.t().contiguous(), b, out)
+    assert_close(out, expected, k)
+    weight = w if layout == "nk" else w.t().contiguous().t()  # (K, N) storage, as Conv1D
+    assert_close(tg.linear(x, weight, b, "relu"), expected, k)
 
 
 def test_packed_a_copy_rule():
@@ -156,7 +183,7 @@ def test_linear_with_the_pack_transposed_in_registers(m, k, n):
 @pytest.mark.parametrize(
     "k,n",
     [(300, 320), (300, 330), (2100, 192), (150, 320)],
-    ids=["halves", "no-halves", "516-row-chunks", "a-in-place"],
+    ids=["halves", "n-off-the-vectors", "516-row-chunks", "a-in-place"],
 )
 def test_linear_packed_over_several_chunks(m, k, n):
     """The packed kernel past one chunk of A (uneven last chunks): in halves of the panels (an

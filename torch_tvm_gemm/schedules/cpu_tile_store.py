@@ -1,0 +1,105 @@
+"""The packed kernel's tile store where N is no whole number of vectors: whole panels apart.
+
+The output stage ("out") stores each MR x NR register tile with a predicate that holds the
+rows below M and the columns below N. Where N is not a multiple of the vector width, the
+column test depends on the vector lane, and TVM then stores the tile one value at a time
+unless it can split the loop itself, which it could not once the tasks ran in halves of the
+panels (``cpu.task_order``: the panel index then comes out of a division by the symbolic
+chunk count). ``split_full_panels`` gives every tile two copies of its store: where the whole
+panel lies below N (all panels but the last), the copy without the column test, whose
+vectors are stored whole; else the store as it was.
+
+TensorIR cannot express this (one block, one predicate), so it is done on the scheduled
+module, as ``cpu_pack_prefetch`` adds its prefetches.
+"""
+
+from __future__ import annotations
+
+
+def split_full_panels(mod, n: int, nr: int):
+    """``mod`` (the scheduled packed kernel, its output N columns wide) with its tile store
+    split as above."""
+    from tvm import s_tir, tirx
+
+    def rewrite(node):
+        if isinstance(node, tirx.For):
+            split = _split_store(node, n, nr)
+            if split is not None:
+                return split
+            body = rewrite(node.body)
+            return node if body.same_as(node.body) else _with_body(node, body)
+        if isinstance(node, tirx.SeqStmt):
+            seq = [rewrite(s) for s in node.seq]
+            if all(new.same_as(old) for new, old in zip(seq, node.seq, strict=True)):
+                return node
+            return tirx.SeqStmt(seq)
+        if isinstance(node, s_tir.SBlockRealize):
+            block = rewrite(node.block)
+            if block.same_as(node.block):
+                return node
+            return s_tir.SBlockRealize(node.iter_values, node.predicate, block)
+        if isinstance(node, s_tir.SBlock):
+            body = rewrite(node.body)
+            if body.same_as(node.body):
+                return node
+            return s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, body,
+                                node.init, node.alloc_buffers, node.match_buffers,
+                                node.annotations)  # fmt: skip
+        return node
+
+    func = mod["main"]
+    body = rewrite(func.body)
+    if body.same_as(func.body):
+        raise RuntimeError("cpu_tile_store: the tile's store was not found")
+    mod["main"] = func.with_body(body)
+    return mod
+
+
+def splits(mod) -> bool:
+    """Whether ``mod``'s tile store has its whole-panel copy (for tests)."""
+    return mod.script().count('T.sblock("out")') == 2
+
+
+def _split_store(loop, n: int, nr: int):
+    """``loop`` (the tile store's outermost loop: over its rows) as ``if the panel is whole:
+    the store without its column test, else: the store``; None if ``loop`` is not that."""
+    from tvm import s_tir, tirx
+
+    loops = [loop]
+    while isinstance(loops[-1].body, tirx.For):
+        loops.append(loops[-1].body)
+    realize = loops[-1].body
+    if not (isinstance(realize, s_tir.SBlockRealize) and realize.block.name_hint == "out"):
+        return None
+    # The predicate: (the rows' tests) and (panel's first column) + (column in the tile) < N
+    predicate, inner = realize.predicate, [loop.loop_var for loop in loops]
+    column_test = predicate.b if isinstance(predicate, tirx.And) else None
+    if not (isinstance(column_test, tirx.LT) and isinstance(column_test.a, tirx.Add)):
+        raise RuntimeError(f"cpu_tile_store: unexpected tile predicate {predicate}")
+    first, offset = column_test.a.a, column_test.a.b
+    if _uses(first, inner) or not _uses(offset, inner):
+        raise RuntimeError(f"cpu_tile_store: unexpected column test {column_test}")
+    rest = predicate.a
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731  (the kernel's indices)
+    whole = tirx.LE(first + i64(nr), i64(n))
+    realize = s_tir.SBlockRealize(realize.iter_values, rest, realize.block)
+    stmt = realize
+    for outer in reversed(loops):
+        stmt = _with_body(outer, stmt)
+    fresh = s_tir.renew_defs(tirx.PrimFunc([], stmt)).body  # (the copy's own loop variables)
+    return tirx.IfThenElse(whole, fresh, loop)
+
+
+def _uses(expr, variables) -> bool:
+    """Whether ``expr`` reads one of ``variables``."""
+    from tvm import tirx
+
+    free = tirx.analysis.undefined_vars(expr, [])
+    return any(v.same_as(w) for v in free for w in variables)
+
+
+def _with_body(loop, body):
+    from tvm import tirx
+
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding,
+                    loop.annotations)  # fmt: skip
