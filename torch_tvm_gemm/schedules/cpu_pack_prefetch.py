@@ -31,6 +31,8 @@ first in its body."""
 
 from __future__ import annotations
 
+from .tir_rewrite import fresh_copy, replace_loops, with_body
+
 AHEAD = 64  # values ahead along a row (4 cache lines of float32: 4 tiles)
 AHEAD_ROWS = 8  # "kn": rows ahead
 LINE = 16  # float32 values in a 64-byte cache line
@@ -99,41 +101,19 @@ def _prefetch(b, index):
 
 def _first_in(mod, loop_var, stmt):
     """``mod`` with ``stmt`` first in the body of the loop over ``loop_var``; ``stmt`` reuses
-    variables of the loops inside, so it is given its own (renew_defs)."""
-    from tvm import s_tir, tirx
+    variables of the loops inside, so it is given its own (``fresh_copy``)."""
+    from tvm import tirx
 
-    stmt = s_tir.renew_defs(tirx.PrimFunc([], stmt)).body
+    stmt = fresh_copy(stmt)
 
-    def rewrite(node):
-        if isinstance(node, tirx.For):
-            if node.loop_var.same_as(loop_var):
-                return _with_body(node, tirx.SeqStmt([stmt, node.body]))
-            body = rewrite(node.body)
-            return node if body.same_as(node.body) else _with_body(node, body)
-        if isinstance(node, tirx.SeqStmt):
-            seq = [rewrite(s) for s in node.seq]
-            if all(new.same_as(old) for new, old in zip(seq, node.seq, strict=True)):
-                return node
-            return tirx.SeqStmt(seq)
-        if isinstance(node, s_tir.SBlockRealize):
-            block = rewrite(node.block)
-            if block.same_as(node.block):
-                return node
-            return s_tir.SBlockRealize(node.iter_values, node.predicate, block)
-        if isinstance(node, s_tir.SBlock):
-            body = rewrite(node.body)
-            if body.same_as(node.body):
-                return node
-            return s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, body,
-                                node.init, node.alloc_buffers, node.match_buffers,
-                                node.annotations)  # fmt: skip
-        return node
+    def replace(loop):
+        if loop.loop_var.same_as(loop_var):
+            return with_body(loop, tirx.SeqStmt([stmt, loop.body]))
+        return None
 
-    func = mod["main"]
-    body = rewrite(func.body)
-    if body.same_as(func.body):
+    mod, found = replace_loops(mod, replace)
+    if not found:
         raise RuntimeError("cpu_pack_prefetch: the pack's loop was not found")
-    mod["main"] = func.with_body(body)
     return mod
 
 
@@ -153,10 +133,3 @@ def _pack_bindings(stmt, name: str = "B_pad"):
             if found is not None:
                 return found
     return None
-
-
-def _with_body(loop, body):
-    from tvm import tirx
-
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding,
-                    loop.annotations)  # fmt: skip
