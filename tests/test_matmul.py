@@ -71,15 +71,28 @@ def test_batched_matmul_is_one_kernel(m, k, n, dtype):
     assert {s.b_layout: s.k for s in specs} == {"kn": None, "nk": k}
 
 
-@pytest.mark.parametrize("s", [128, 67])
+@pytest.mark.parametrize("s", [128, 67, 197])
 def test_attention_scores_batched(s):
     # Q @ K^T at attention's shapes: S = 128 packs K^T by cpu_transpose's whole 16 x 16 tiles
-    # (two 64-wide panels); S = 67 by LLVM's transpose (a clamped last panel). Odd batch and
-    # M, K^T read in place.
+    # (two 64-wide panels); S = 67 and 197 (ViT) by LLVM's transpose (a clamped last panel),
+    # their tile stores split at the whole panels (cpu_tile_store). Odd batch and M, K^T read
+    # in place; the kernel's output starts as NaN: every value must be written.
+    from torch_tvm_gemm.ops.gemm_ops import gemm_spec
+    from torch_tvm_gemm.runtime.table import get_kernel
+    from torch_tvm_gemm.schedules import cpu as cpu_schedules
+    from torch_tvm_gemm.schedules import cpu_tile_store
+
     q, key = randn(7, s, 64), randn(7, s, 64)
     kt = key.transpose(1, 2)
-    assert_close(tg.matmul(q, kt), torch.matmul(q.double(), kt.double()), 64)
+    expected = torch.matmul(q.double(), kt.double())
+    assert_close(tg.matmul(q, kt), expected, 64)
     assert_close(tg.matmul(q[:, :37], kt), torch.matmul(q[:, :37].double(), kt.double()), 64)
+    spec = gemm_spec("float32", s, s, 64, "nk", batched=True)
+    out = torch.full((7, s, s), float("nan"))
+    get_kernel(spec)(q, key, out)
+    assert_close(out, expected, 64)
+    if s % 16:
+        assert cpu_tile_store.splits(cpu_schedules.schedule_gemm(spec))
 
 
 @pytest.mark.parametrize(
