@@ -44,8 +44,13 @@ def _extension_kwargs() -> dict:
     ffi_lib_dir = os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())
     ext = CppExtension(
         "torch_tvm_gemm._C",
-        ["csrc/tvm_gemm_ops.cpp", "csrc/parallel_launch.cpp", "csrc/python_entry.cpp"],
-        depends=["csrc/parallel_launch.h"],
+        [
+            "csrc/tvm_gemm_ops.cpp",
+            "csrc/parallel_launch.cpp",
+            "csrc/python_entry.cpp",
+            "csrc/output_pool.cpp",
+        ],
+        depends=["csrc/parallel_launch.h", "csrc/output_pool.h"],
         include_dirs=tvm_ffi.libinfo.include_paths(),
         library_dirs=[ffi_lib_dir],
         libraries=["tvm_ffi"],

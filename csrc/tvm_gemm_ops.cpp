@@ -31,9 +31,6 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -45,6 +42,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "output_pool.h"
 #include "parallel_launch.h"
 
 namespace py = pybind11;
@@ -105,9 +103,6 @@ struct Config {
   int none_activation = 0;  // index of "none" in activations
   // KERNEL_ALIGNMENT["cpu"] - 1 (a power of two): a pointer p is aligned when (p & mask) == 0.
   uintptr_t alignment_mask = 63;
-  // Outputs of this many bytes or more are advised as huge pages (runtime/huge_pages.py
-  // HUGE_OUTPUT_BYTES; 0: never).
-  int64_t huge_output_bytes = 0;
 };
 
 // Written only by register_impls() while no impl is registered, read by the impls afterwards.
@@ -335,25 +330,6 @@ bool is_aligned(const at::Tensor& t) {
 // t, or an aligned contiguous copy of it (at::empty allocates on the boundary).
 at::Tensor aligned(const at::Tensor& t) {
   return is_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
-// at::empty, advised as transparent huge pages from g_config.huge_output_bytes on: mirrors
-// runtime/huge_pages.py empty(), whose docstring has the why and the measurements.
-at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(sizes, options);
-  const int64_t bytes = static_cast<int64_t>(out.nbytes());
-#ifdef MADV_HUGEPAGE
-  if (g_config.huge_output_bytes > 0 && bytes >= g_config.huge_output_bytes) {
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    const uintptr_t start = reinterpret_cast<uintptr_t>(out.data_ptr());
-    const uintptr_t first = (start + page - 1) / page * page;
-    const uintptr_t last = (start + bytes) / page * page;
-    if (last > first) {
-      (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // a hint
-    }
-  }
-#endif
-  return out;
 }
 
 DLTensor dl_view(const at::Tensor& t, const DtypeInfo& dtype) {
@@ -621,7 +597,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<std::string>& activations,
                     const std::vector<std::string>& dtypes, int64_t kernel_alignment,
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
-                    bool autograd_fast_path, int64_t huge_output_bytes,
+                    bool autograd_fast_path,
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
                     const std::vector<int64_t>& one_panel_swaps) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
@@ -633,7 +609,6 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.gemv_min_b_elements = gemv_min_b_elements;
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
-  config.huge_output_bytes = huge_output_bytes;
   TORCH_CHECK(amx_dot.empty() || amx_dot.size() == 2,
               "tvm_gemm: amx_dot must be (max_m, max_x_bytes)");
   if (!amx_dot.empty()) config.amx_dot = {amx_dot[0], amx_dot[1]};
@@ -711,7 +686,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gemv_min_b_elements"), py::arg("dot_max_m"), py::arg("activations"),
         py::arg("dtypes"), py::arg("kernel_alignment"), py::arg("dot2_max_m"),
         py::arg("swap") = std::vector<int64_t>{}, py::arg("autograd_fast_path") = true,
-        py::arg("huge_output_bytes") = 0, py::arg("amx_dot") = std::vector<int64_t>{},
+        py::arg("amx_dot") = std::vector<int64_t>{},
         py::arg("ksplit") = std::vector<int64_t>{},
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
@@ -724,6 +699,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("key_variant", &tvm_gemm::key_variant, py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("b_layout"), py::arg("dtype") = "float32", py::arg("static_k") = true,
         "The variant of the kernel-table key of a CPU (m, n, k) product.");
+  m.def("configure_output_pool", &tvm_gemm::configure_output_pool, py::arg("min_bytes"),
+        py::arg("limit_bytes"),
+        "Outputs of min_bytes or more from the pool (0: off), at most limit_bytes kept.");
+  m.def(
+      "empty_output",
+      [](const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+        return tvm_gemm::empty_output(sizes, at::TensorOptions().dtype(dtype));
+      },
+      py::arg("sizes"), py::arg("dtype"), "An uninitialized CPU output, as the C++ impls make.");
+  m.def(
+      "output_pool_stats",
+      [] {
+        const tvm_gemm::OutputPoolStats s = tvm_gemm::output_pool_stats();
+        py::dict d;
+        d["kept_bytes"] = s.kept_bytes;
+        d["kept_blocks"] = s.kept_blocks;
+        d["live_bytes"] = s.live_bytes;
+        d["min_bytes"] = s.min_bytes;
+        d["limit_bytes"] = s.limit_bytes;
+        return d;
+      },
+      "What the output pool holds.");
+  m.def("release_output_pool", &tvm_gemm::release_output_pool,
+        "Return the output pool's kept blocks to the system.");
   m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,
         "Address of the TVMBackendParallelLaunch replacement that runs on torch's OpenMP pool.");
   tvm_gemm::add_python_entries(m);

@@ -28,6 +28,8 @@ from .model_precompile import PrecompileSummary, precompile
 from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear
 from .ops.entry import linear, matmul
 from .runtime.build_worker import KernelBuildError
+from .runtime.output_pool import release as release_output_pool
+from .runtime.output_pool import stats as output_pool_stats
 from .runtime.precompile import precompile_specs
 
 __all__ = ["matmul", "linear", "TVMLinear", "TVMConv1D", "swap_linear", "unswap_linear"]
@@ -43,6 +45,8 @@ __all__ += [
     "precompile",
     "PrecompileSummary",
     "precompile_specs",
+    "output_pool_stats",
+    "release_output_pool",
 ]
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from ..func_autograd import register_function_autograd
 from ..kernels.conv2d import Conv2dSpec, leaky_relu_slope, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
-from ..runtime import huge_pages
+from ..runtime import output_pool
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules.cpu_amx_conv import input_padding
@@ -93,7 +93,7 @@ def _conv2d_impl(
     if route == "subsample":
         return _conv2d_impl(_subsampled(x, spec), weight, bias, 1, 0, 1, groups, relu, activation)
     # The kernel writes NCHW; channels_last / strided inputs are copied to NCHW first.
-    out = huge_pages.empty(shape, x.dtype, x.device)
+    out = output_pool.empty(shape, x.dtype, x.device)
     if out.numel() == 0:  # (no input channels included: check_conv2d)
         return out
     if route == "gemm":

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..func_autograd import register_function_autograd
 from ..kernels.gemm import GemmSpec, torch_activation
-from ..runtime import huge_pages
+from ..runtime import output_pool
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules.cpu import gemm_variant
@@ -103,7 +103,7 @@ def gemm(
     m, k = a.shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if out is None:
-        out = huge_pages.empty((m, n), a.dtype, a.device)
+        out = output_pool.empty((m, n), a.dtype, a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:  # an empty sum: the result is act(bias) or act(0)
@@ -208,7 +208,7 @@ def shaped_output(shape: list[int], like: Tensor) -> tuple[Tensor, Tensor]:
     """(the op's output, its rows as the 2-D matrix the kernel writes). The output is the
     allocation itself, not a view of a 2-D result: autograd refuses in-place writes into a
     view made inside an op (``hidden[mask] = ...`` after a Linear, as wav2vec2 does)."""
-    out = huge_pages.empty(shape, like.dtype, like.device)
+    out = output_pool.empty(shape, like.dtype, like.device)
     return out, rows(out)
 
 
@@ -241,7 +241,7 @@ def _matmul_batched(a: Tensor, b: Tensor, shape: list[int]) -> Tensor:
     in attention) is read in place as "nk"."""
     batch, m, n = shape
     k = a.shape[-1]
-    out = huge_pages.empty(shape, a.dtype, a.device)
+    out = output_pool.empty(shape, a.dtype, a.device)
     if out.numel() == 0:
         return out
     if k == 0:

@@ -20,7 +20,7 @@ import tvm_ffi
 
 from .. import _ext
 from ..kernels.gemm import ACTIVATIONS
-from ..runtime import huge_pages
+from ..runtime import output_pool
 from ..runtime.table import get_kernel, on_clear_table
 from ..schedules import cpu as cpu_schedules
 from ..schedules.cpu import DOT2_MAX_M, DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
@@ -115,6 +115,7 @@ def use_impl(path: str) -> str:
         ext.unregister_impls()
     cpp_keys: list[str] = []
     if path == "cpp":
+        output_pool.configure()  # the C++ impls' outputs come from it
         # After register_autograd (below the C++ autograd fast path sits the Python kernel).
         ext.register_impls(
             GEMV_MAX_M,
@@ -125,7 +126,6 @@ def use_impl(path: str) -> str:
             KERNEL_ALIGNMENT["cpu"],
             DOT2_MAX_M,
             [cpu_schedules.SWAP_MIN_M, cpu_schedules.SWAP_MAX_M, cpu_schedules.swap_max_k()],
-            huge_output_bytes=huge_pages.huge_output_bytes(),
             amx_dot=list(cpu_schedules.amx_dot_limits()),
             ksplit=[
                 cpu_schedules.KSPLIT_MAX_M,

@@ -3,6 +3,6 @@
 ``loader`` (the runtime library, loading a kernel file, torch's thread pool), ``records``
 (reading tuning verdicts), ``cache`` (the on-disk kernel cache), ``pack_loader`` (CUDA kernel
 packs), ``table`` (the in-memory kernel table, the one entry point: ``get_kernel``),
-``huge_pages`` (the ops' large outputs, advised as transparent huge pages).
+``output_pool`` (the ops' large CPU outputs, a pool of huge-page blocks).
 Nothing here imports the TVM compiler; a missing kernel is built through one request.
 """
