@@ -1,5 +1,6 @@
-"""Residual adds written into a TVM layer's fresh output (``inplace_adds``): same results as
-eager, and the plain add wherever writing in place would change anything."""
+"""Residual adds and gating products written into a TVM layer's fresh output
+(``inplace_adds``): same results as eager, and the plain op wherever writing in place would
+change anything."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_convert import bn
 from torch import nn
 
 import torch_tvm_gemm as tg
-from torch_tvm_gemm.inplace_adds import add_into
+from torch_tvm_gemm.inplace_adds import add_into, mul_into
 
 
 class Bottleneck(nn.Module):
@@ -50,6 +51,20 @@ class ResidualFirst(nn.Module):
 
     def forward(self, x):
         return x + self.bn(self.conv(x))
+
+
+class GatedMLP(nn.Module):
+    """LLaMA's MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, d: int = 16, h: int = 24):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _nodes(model: nn.Module) -> list:
@@ -161,6 +176,50 @@ def test_add_into_writes_only_when_the_result_is_the_same():
     leaf = randn(3).requires_grad_()
     fresh = leaf * 2
     out = add_into(fresh, randn(3), relu=True)
+    assert out.data_ptr() != fresh.data_ptr()
+    out.sum().backward()
+    assert leaf.grad is not None
+
+
+def test_gated_mlp_product_in_place_and_matches_eager():
+    model = GatedMLP().eval()
+    x = randn(3, 5, 16)
+    _convert_matches_eager(model, x)
+    assert _adds(model, mul_into) == 1 and _adds(model, operator.mul) == 0
+
+
+def test_training_step_with_in_place_product_matches_eager():
+    """With gradients wanted the product stays out of place: grads as eager's."""
+    torch.manual_seed(2)
+    eager = GatedMLP()
+    converted = tg.convert(copy.deepcopy(eager))
+    assert _adds(converted, mul_into) == 1
+    x = randn(4, 16)
+    for model in (eager, converted):
+        model(x).square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), converted.parameters(), strict=True):
+        assert q.grad is not None, name
+        assert_close(q.grad, p.grad, k=400)
+
+
+def test_mul_into_writes_only_when_the_result_is_the_same():
+    with torch.no_grad():
+        fresh, other = randn(2, 3, 4), randn(3, 4)
+        want = fresh * other
+        out = mul_into(fresh, other)
+        assert out.data_ptr() == fresh.data_ptr()
+        torch.testing.assert_close(out, want)
+        small, big = randn(1, 4), randn(3, 4)
+        out = mul_into(small, big)
+        assert out.shape == (3, 4) and out.data_ptr() != small.data_ptr()
+        torch.testing.assert_close(out, small * big)
+        f32, f64 = randn(3), randn(3, dtype=torch.float64)
+        out = mul_into(f32, f64)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, f32 * f64)
+    leaf = randn(3).requires_grad_()
+    fresh = leaf * 2
+    out = mul_into(fresh, randn(3))
     assert out.data_ptr() != fresh.data_ptr()
     out.sum().backward()
     assert leaf.grad is not None

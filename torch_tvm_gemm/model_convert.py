@@ -11,8 +11,9 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
    conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU, leaky ReLU) become one
    ``tvm_gemm.conv2d_bias_relu`` call and a linear
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
-   ``tvm_gemm.linear`` call with that activation. A residual add of a TVM layer's output
-   that nothing else reads goes into that output, in place (``inplace_adds``).
+   ``tvm_gemm.linear`` call with that activation. A residual add (or a gating product, as
+   in LLaMA's MLP) of a TVM layer's output that nothing else reads goes into that output, in
+   place (``inplace_adds``).
 2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
    ``Conv1D``) is swapped for its TVM module in place, parameters shared.
 
