@@ -169,6 +169,7 @@ def test_pooled_output_behaves_like_any_tensor():
     kept = z.clone()
     z.resize_(3 * ROWS, 1024)  # a resizable storage: a bigger block from the same pool
     assert_close(z[:ROWS], kept)
+    z[ROWS:] = 1.0  # (the rest is new, uninitialized memory)
     buf = io.BytesIO()
     torch.save(z, buf)
     buf.seek(0)
