@@ -29,6 +29,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -77,6 +78,16 @@ class OutputPool final : public c10::Allocator {
   }
 
   size_t min_bytes() const { return min_bytes_.load(std::memory_order_relaxed); }
+
+  // (in a forked child, whose other threads are gone) The same settings and live outputs,
+  // nothing kept, a mutex no one holds.
+  OutputPool* fresh_copy() const {
+    auto* copy = new OutputPool;
+    copy->min_bytes_ = min_bytes_.load();
+    copy->limit_bytes_ = limit_bytes_;
+    copy->live_bytes_ = live_bytes_.load();
+    return copy;
+  }
 
   OutputPoolStats stats() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -145,10 +156,18 @@ class OutputPool final : public c10::Allocator {
   std::atomic<int64_t> live_bytes_{0};
 };
 
+std::atomic<OutputPool*> g_pool{nullptr};
+
 // Never destroyed: outputs may be freed during interpreter shutdown, after static destructors.
+// A child process forked while another thread held the pool's mutex would wait on it forever:
+// the child starts from a fresh pool (the parent's is left as it was, its kept blocks unused).
 OutputPool& pool() {
-  static OutputPool* instance = new OutputPool;
-  return *instance;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_pool.store(new OutputPool);
+    pthread_atfork(nullptr, nullptr, [] { g_pool.store(g_pool.load()->fresh_copy()); });
+  });
+  return *g_pool.load();
 }
 
 void OutputPool::release(void* ctx) {

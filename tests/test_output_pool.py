@@ -199,6 +199,32 @@ def test_threads_share_the_pool():
     assert tg.output_pool_stats()["live_bytes"] == before
 
 
+def _linear_in_child(conn):
+    torch.set_num_threads(1)  # (libgomp's pool does not survive fork: as DataLoader workers)
+    x, w = randn(ROWS, 8, seed=3), randn(1024, 8, seed=4)
+    y = tg.linear(x, w)
+    ok = y.data_ptr() % HUGE_PAGE == 0 and torch.allclose(y, F.linear(x, w), atol=1e-5)
+    del y
+    conn.send((ok, tg.output_pool_stats()["kept_bytes"]))
+
+
+@needs_pool
+def test_forked_child_has_a_pool_of_its_own():
+    """A child forked while the parent keeps blocks starts from an empty pool and works."""
+    import multiprocessing
+
+    keep = tg.linear(randn(ROWS, 8), randn(1024, 8))
+    del keep
+    assert tg.output_pool_stats()["kept_bytes"] > 0
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_linear_in_child, args=(child,))
+    proc.start()
+    assert parent.poll(120), "the forked child did not answer"
+    ok, kept = parent.recv()
+    proc.join(30)
+    assert ok and kept == HUGE_PAGE  # its own output's block, and nothing of the parent's
+
+
 @pytest.mark.skipif(not HAS_THP, reason="no madvise(MADV_HUGEPAGE) here")
 def test_without_the_extension_big_outputs_are_advised(monkeypatch):
     monkeypatch.setattr(output_pool, "configure", lambda: None)
