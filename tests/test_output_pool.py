@@ -154,6 +154,10 @@ def test_limit_zero_keeps_nothing(pool_limit):
 def test_bad_limit_names_the_variable(pool_limit):
     with pytest.raises(ValueError, match=output_pool.ENV_POOL_MB):
         pool_limit("lots")
+    with pytest.raises(ValueError, match=output_pool.ENV_POOL_MB):
+        pool_limit("-5")
+    pool_limit("9" * 30)  # past any memory: no limit, not an overflow
+    assert tg.output_pool_stats()["limit_bytes"] == (1 << 63) - 1
 
 
 @needs_pool

@@ -33,6 +33,7 @@ ENV_POOL_MB = "TVM_GEMM_OUTPUT_POOL_MB"
 DEFAULT_POOL_MB = 128
 POOL_MIN_BYTES = 2 << 20
 HUGE_OUTPUT_BYTES = 32 << 20  # without the extension
+_NO_LIMIT = (1 << 63) - 1  # (a larger TVM_GEMM_OUTPUT_POOL_MB means the same)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
@@ -46,7 +47,7 @@ def pool_limit_bytes() -> int:
             f"torch_tvm_gemm: {ENV_POOL_MB} must be a whole number of MiB (0: keep no "
             f"output), got {raw!r}"
         )
-    return int(raw) << 20
+    return min(int(raw) << 20, _NO_LIMIT)
 
 
 @functools.cache
