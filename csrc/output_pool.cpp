@@ -6,22 +6,24 @@
 // (docs/inference-shapes.md section 13), so both fault on every page of the output, and a
 // 1024 x 768 float32 output took ~1300 faults a call where torch's took 769. Measured with
 // every large allocation a fresh mmap (2 threads, Intel Xeon, against F.linear with its own
-// fresh output, M = 1024): 768 x 768 0.87x, 1376 x 512 0.89x, 512 x 512 0.83x. A model's
+// fresh output, M = 1024): 768 x 768 0.87x, 1376 x 512 0.92x, 512 x 512 0.81x. A model's
 // forward meets that state often: a converted BERT-style encoder at batch 8 took 5,000-7,600
 // faults a forward, two thirds of them in the writes of its 3072-wide GELU layer.
 //
-// So an output of min_bytes or more is a block of whole 2 MiB pages, aligned on them and
-// advised as huge pages (one fault per 2 MiB where the kernel grants them, and fewer TLB
-// misses for the kernels' column-strip writes), and when the tensor is freed its block is kept
-// here for the next output of the same size: in a model's steady state no output faults at
-// all. Same measurement with the pool: 1.14x, 1.23x, 1.28x; with at::empty's usual reuse
-// (no fresh mmaps), the same as at::empty within noise. Converted models, 8 alternating
-// rounds, median forward against at::empty: LLaMA-style and BERT-style stacks at batch 8,
-// -3.4% and -3.3%.
+// So an output of min_bytes or more is a block of whole 2 MiB pages (a 2.1 MB output takes
+// 4 MiB of address space, of which it touches what it uses), aligned on them and advised as
+// huge pages (one fault per 2 MiB where the kernel grants them, fewer TLB misses for the
+// kernels' column-strip writes), and when the tensor is freed its block is kept here for the
+// next output of the same size (the last freed first): in a model's steady state no output
+// faults at all. Same measurement: 1.10x, 1.22x, 1.23x; with glibc reusing its heap, pool and
+// at::empty within 2% of each other. Converted models at batch 8, 8 alternating rounds in one
+// process, best / median forward, at::empty -> pool: LLaMA-style 111 / 117 -> 105 / 116 ms,
+// BERT-style 184 / 208 -> 191 / 204, GPT-2 474 / 514 -> 447 / 476 (docs/inference-shapes.md
+// section 17: indications, the eager column moves as much between runs).
 //
-// At most limit_bytes of freed blocks are kept (larger outputs, or past the limit, go back to
-// the system when freed); release_output_pool() empties it. The storage is a normal resizable
-// one whose allocator is this pool.
+// At most limit_bytes of freed blocks are kept (past the limit they go back to the system when
+// freed); release_output_pool() empties it. The storage is an ordinary resizable one whose
+// allocator is this pool.
 
 #include "output_pool.h"
 
@@ -186,7 +188,8 @@ void configure_output_pool(int64_t min_bytes, int64_t limit_bytes) {
 at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const size_t min_bytes = pool().min_bytes();
   if (min_bytes > 0 && options.device().is_cpu()) {
-    const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
+    const size_t bytes =
+        static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
     if (bytes >= min_bytes) {
       return at::Tensor(at::detail::empty_generic(sizes, &pool(),
                                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
