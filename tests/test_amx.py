@@ -165,6 +165,33 @@ def test_linear_padded_k_and_panel_groups(k, n):
     assert_close(tg.linear(x, w, None, "none"), reference(x, w, None, "none"), k)
 
 
+@needs_amx
+@pytest.mark.parametrize("k", [470, 512], ids=["partial-chunk-and-step", "four-chunks"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_two_panel_tasks_in_short_chunks(k, layout):
+    """Tasks of two panels run a K of up to 16 steps in chunks of PAIR_CHUNK_STEPS, the sums
+    kept in memory between chunks: whole chunks, and a last chunk of 3 steps whose last step
+    is partial (zero-padded)."""
+    n = 256  # 8 panels: 4 tasks of 2
+    assert cpu_amx.panels_per_task(n // cpu_amx.BLOCK) == 2
+    steps = -(-k // cpu_amx.K_STEP)
+    assert cpu_amx.chunk_steps(steps, 2) == cpu_amx.PAIR_CHUNK_STEPS < steps
+    m = cpu.AMX_DOT_MAX_M + 17  # the packed kernel
+    x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, k, layout, bias=True).variant == "gemm"
+    weight = w if layout == "nk" else w.t().contiguous().t()
+    assert_close(tg.linear(x, weight, b, "silu"), reference(x, w, b, "silu"), k)
+
+
+def test_chunk_steps():
+    """All of a K of up to 16 steps at once, except with two panels a task (chunks of
+    PAIR_CHUNK_STEPS); a longer or symbolic K in chunks of CHUNK_STEPS."""
+    pair, chunk = cpu_amx.PAIR_CHUNK_STEPS, cpu_amx.CHUNK_STEPS
+    assert [cpu_amx.chunk_steps(s, 4) for s in (1, 3, 16, 17, 24)] == [1, 3, 16, chunk, chunk]
+    assert [cpu_amx.chunk_steps(s, 2) for s in (3, pair, 5, 16, 17)] == [3, pair, pair, pair, chunk]
+    assert cpu_amx.chunk_steps(10, 1) == 10
+
+
 def test_panels_per_task():
     assert [cpu_amx.panels_per_task(p) for p in (1, 4, 7, 8, 16, 24)] == [1, 1, 2, 2, 4, 4]
     # Few tasks: the group that leaves the busier of two threads the fewest panels, of two

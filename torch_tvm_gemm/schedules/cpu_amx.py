@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 13  # (9: x packed in parallel, undone: not measurably faster)
+SCHEDULE_VERSION = 14  # (9: x packed in parallel, undone: not measurably faster)
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -446,7 +446,7 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
         def products(a_tile):
             # K in chunks: a chunk of the block stays in L1 while the task's panels use it in
             # turn, their running sums kept in c_acc.
-            size = chunk_steps(steps)
+            size = chunk_steps(steps, group)
             with T.serial(i64(0), (steps + size - 1) // size) as chunk:
                 for g in range(group):
                     _tile_product(T, tirx, tile_op, tmm, a_tile, b_pairs, c_acc,
@@ -535,17 +535,30 @@ def _panel_of(tirx, panels: int, group: int):
 # of K at once 877 GFLOPS; 128 x 768 x 768: 582, 617, 598, 566.
 CHUNK_STEPS = 8
 
+# K steps per chunk of a task of two panels (FEW_TASKS) with a K of up to 16 steps: what a
+# chunk's products read then fits in the 48 KiB L1 (the block's 8 KiB of A, and for each
+# panel 8 KiB of pairs and 4 KiB of sums: 32 KiB), where all of K = 512 at once (104 KiB)
+# spilled A to the L2 between the two panels. Measured (kernels alone, 2 threads, Intel Xeon
+# with AMX, interleaved in one process, against F.linear), all of K -> 4 steps: N = 1376,
+# K = 512: M = 256 +7% / +8%, 512 +10% / +18%, 1024 +10% / +11%, 2048 +1%; N = 640, K = 512:
+# M = 256 to 2048 +2% to +5%. Not for a longer K (chunks of 8 -> 4 at K = 768, N = 640 /
+# 1376: -11% to +4%) nor for 4 panels a task (N = 512 / 2304 / 3072: -5% to +6%).
+PAIR_CHUNK_STEPS = 4
 
-def chunk_steps(steps) -> int:
-    """K steps per chunk of the tile GEMM: CHUNK_STEPS, or all of a K of up to 16 steps (a
-    32-row block of A of up to 32 KiB stays in L1 whole, and the sums stay in the tiles
-    instead of going out to c_acc and back once per chunk). At K = 512 (kernels alone, M =
-    1024, N = 1376, against F.linear) one chunk measured +3% to +15% over two."""
+
+def chunk_steps(steps, group: int) -> int:
+    """K steps per chunk of the tile GEMM with ``group`` panels a task: CHUNK_STEPS, or all
+    of a K of up to 16 steps (a 32-row block of A of up to 32 KiB stays in L1 whole, and the
+    sums stay in the tiles instead of going out to c_acc and back once per chunk: at K = 512,
+    4 panels a task, M = 1024, one chunk measured +3% to +15% over two), in chunks of
+    PAIR_CHUNK_STEPS with two panels a task."""
     from tvm import tirx
 
-    if isinstance(steps, int | tirx.IntImm) and int(steps) <= 2 * CHUNK_STEPS:
-        return max(1, int(steps))
-    return CHUNK_STEPS
+    if not isinstance(steps, int | tirx.IntImm) or int(steps) > 2 * CHUNK_STEPS:
+        return CHUNK_STEPS
+    if group == 2 and int(steps) > PAIR_CHUNK_STEPS:
+        return PAIR_CHUNK_STEPS
+    return max(1, int(steps))
 
 
 def _prefetch_outputs(T, tirx, block, M, N, panels, out_address) -> None:
