@@ -186,3 +186,17 @@ def test_bench_models_cli_runs(tmp_path):
     for row in (prefill, decode):
         assert row["converted_layers"] == row["found_layers"] == 7
         assert row["max_rel_err"] < 1e-4 and row["converted_s"] > 0
+
+
+def test_bench_models_ratio_summary():
+    """The benchmark's closing line: a geometric mean and lowest ratio over all rows and over
+    each dtype's rows on their own."""
+    from torch_tvm_gemm.cli.bench_models import ratio_summary
+
+    rows = [{"dtype": d, "ratio": r} for d, r in (("float32", 0.5), ("float32", 2.0))]
+    rows.append({"dtype": "bfloat16", "ratio": 8.0})
+    summary = ratio_summary(rows)
+    assert list(summary) == ["all", "float32", "bfloat16"]
+    assert summary["float32"] == pytest.approx((1.0, 0.5))
+    assert summary["bfloat16"] == pytest.approx((8.0, 8.0))
+    assert summary["all"] == pytest.approx((2.0, 0.5))
