@@ -31,6 +31,15 @@ bool plain_call() { return !at::impl::torch_function_mode_enabled(); }
 
 py::object wrap(at::Tensor t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))); }
 
+// Products this small keep the GIL for the call: releasing it costs a lock and an unlock, and
+// each tensor the call copies (a tensor Python holds gains a second reference) takes it back
+// to update the Python object, while the kernel runs for a few microseconds at most.
+constexpr int64_t kKeepGilMaxMacs = int64_t{1} << 18;  // 64 x 64 x 64 multiply-adds
+
+bool small_product(int64_t a_elements, int64_t n) {
+  return a_elements > 0 && n > 0 && a_elements <= kKeepGilMaxMacs / n;
+}
+
 py::object matmul_entry(py::handle a, py::handle b) {
   if (!plain_call() || !plain_tensor(a.ptr()) || !plain_tensor(b.ptr())) return py::none();
   static const auto op = c10::Dispatcher::singleton()
@@ -38,6 +47,7 @@ py::object matmul_entry(py::handle a, py::handle b) {
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
   const at::Tensor& ta = THPVariable_Unpack(a.ptr());
   const at::Tensor& tb = THPVariable_Unpack(b.ptr());
+  if (small_product(ta.numel(), tb.dim() > 0 ? tb.size(-1) : 1)) return wrap(op.call(ta, tb));
   at::Tensor out;
   {
     py::gil_scoped_release no_gil;  // as torch.ops does: other Python threads run meanwhile
@@ -62,6 +72,9 @@ py::object linear_entry(py::handle x, py::handle weight, py::handle bias, py::ha
   if (has_bias) tbias = THPVariable_Unpack(bias.ptr());
   const at::Tensor& tx = THPVariable_Unpack(x.ptr());
   const at::Tensor& tw = THPVariable_Unpack(weight.ptr());
+  if (small_product(tx.numel(), tw.dim() > 0 ? tw.size(0) : 1)) {
+    return wrap(op.call(tx, tw, tbias, act));
+  }
   at::Tensor out;
   {
     py::gil_scoped_release no_gil;

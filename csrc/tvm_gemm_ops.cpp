@@ -519,37 +519,95 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
 // gradient is needed it does what that Python kernel's no-grad branch does (redispatch below
 // autograd); otherwise it hands the call to the Python kernel, captured before we registered
 // (torch.library.get_kernel's use case), so the formulas stay in Python.
+//
+// matmul and linear get unboxed kernels: a boxed one copies every tensor argument onto an
+// IValue stack, and a copy of a tensor that Python holds touches its Python object, which
+// takes the GIL back (the entries release it for the call): two GIL round trips a call, ~10% of
+// a 16x16 matmul's time in pthread_mutex_lock/unlock.
 
-class AutogradFastPath final : public c10::OperatorKernel {
+// A gradient is wanted (grad mode on and a tensor requires grad), or a tensor carries a
+// forward-mode tangent (torch.autograd.forward_ad): skipping the autograd kernel would drop it.
+bool needs_autograd(const at::Tensor& t, bool grad_mode) {
+  return t.defined() && ((grad_mode && t.requires_grad()) || t._fw_grad(0).defined());
+}
+
+// The captured Python autograd kernel of one op, and the op to redispatch below autograd.
+struct AutogradKernels {
+  c10::OperatorHandle op;
+  c10::SafeKernelFunction python;
+
+  // The Python kernel, called boxed: only when a gradient is wanted, Python's cost anyway.
+  at::Tensor call_python(c10::DispatchKeySet keys, torch::jit::Stack stack) const {
+    python.callBoxed(op, keys, &stack);
+    return std::move(stack.back()).toTensor();
+  }
+};
+
+class MatmulFastPath {
  public:
-  explicit AutogradFastPath(c10::SafeKernelFunction python_autograd)
-      : python_autograd_(std::move(python_autograd)) {}
+  explicit MatmulFastPath(AutogradKernels kernels)
+      : kernels_(std::move(kernels)),
+        op_(kernels_.op.typed<at::Tensor(const at::Tensor&, const at::Tensor&)>()) {}
+
+  at::Tensor operator()(c10::DispatchKeySet keys, const at::Tensor& a, const at::Tensor& b) const {
+    const bool grad_mode = c10::GradMode::is_enabled();
+    if (needs_autograd(a, grad_mode) || needs_autograd(b, grad_mode)) {
+      return kernels_.call_python(keys, {a, b});
+    }
+    at::AutoDispatchBelowAutograd guard;
+    return op_.redispatch(keys & c10::after_autograd_keyset, a, b);
+  }
+
+ private:
+  AutogradKernels kernels_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> op_;
+};
+
+class LinearFastPath {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, c10::string_view);
+
+ public:
+  explicit LinearFastPath(AutogradKernels kernels)
+      : kernels_(std::move(kernels)), op_(kernels_.op.typed<Signature>()) {}
+
+  at::Tensor operator()(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, c10::string_view activation) const {
+    const bool grad_mode = c10::GradMode::is_enabled();
+    if (needs_autograd(x, grad_mode) || needs_autograd(weight, grad_mode) ||
+        (bias.has_value() && needs_autograd(*bias, grad_mode))) {
+      return kernels_.call_python(keys, {x, weight, bias, std::string(activation)});
+    }
+    at::AutoDispatchBelowAutograd guard;
+    return op_.redispatch(keys & c10::after_autograd_keyset, x, weight, bias, activation);
+  }
+
+ private:
+  AutogradKernels kernels_;
+  c10::TypedOperatorHandle<Signature> op_;
+};
+
+// The same for any op, boxed: the conv op (its CPU impl is Python anyway).
+class BoxedFastPath final : public c10::OperatorKernel {
+ public:
+  explicit BoxedFastPath(AutogradKernels kernels) : kernels_(std::move(kernels)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack) {
-    if (needs_autograd(op, *stack, c10::GradMode::is_enabled())) {
-      python_autograd_.callBoxed(op, keys, stack);
-      return;
+    const bool grad_mode = c10::GradMode::is_enabled();
+    const size_t num_args = op.schema().arguments().size();
+    for (const c10::IValue& arg : torch::jit::last(*stack, num_args)) {
+      if (arg.isTensor() && needs_autograd(arg.toTensor(), grad_mode)) {
+        kernels_.python.callBoxed(op, keys, stack);
+        return;
+      }
     }
     at::AutoDispatchBelowAutograd guard;
     op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
   }
 
  private:
-  // A gradient is wanted (grad mode on and a tensor requires grad), or a tensor carries a
-  // forward-mode tangent (torch.autograd.forward_ad): skipping the autograd kernel would drop it.
-  static bool needs_autograd(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                             bool grad_mode) {
-    const size_t num_args = op.schema().arguments().size();
-    for (const c10::IValue& arg : torch::jit::last(stack, num_args)) {
-      if (!arg.isTensor() || !arg.toTensor().defined()) continue;
-      const at::Tensor& t = arg.toTensor();
-      if ((grad_mode && t.requires_grad()) || t._fw_grad(0).defined()) return true;
-    }
-    return false;
-  }
-
-  c10::SafeKernelFunction python_autograd_;
+  AutogradKernels kernels_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -570,20 +628,29 @@ std::vector<std::unique_ptr<torch::Library>>& autograd_registrations() {
 // stays in Python (ops/conv_ops.py), but its calls still pass the Autograd key first: without
 // grad the fast path saves its Python kernel (measured: a 1x1 conv on 7x7 pixels, fp32, 25.5
 // -> 19.7 us a call, against 10.5-11.2 us for F.relu(F.conv2d)).
-constexpr std::array<const char*, 3> kOps{"matmul", "linear", "conv2d_bias_relu"};
 
 // The C++ autograd kernel for one backend's autograd key, in front of the Python one.
 void register_autograd_fast_path(c10::DispatchKey autograd_key) {
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "tvm_gemm", autograd_key,
                                               __FILE__, __LINE__);
-  for (const char* name : kOps) {
+  auto captured = [autograd_key](const char* name) {
     const std::string qualified = std::string("tvm_gemm::") + name;
     const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
-    c10::SafeKernelFunction python_autograd = op.getComputedKernelForDispatchKey(autograd_key);
-    lib->impl(name, torch::CppFunction::makeFromBoxedFunctor(
-                        std::make_unique<AutogradFastPath>(std::move(python_autograd))));
-  }
+    return AutogradKernels{op, op.getComputedKernelForDispatchKey(autograd_key)};
+  };
+  lib->impl("matmul", [path = MatmulFastPath(captured("matmul"))](
+                          c10::DispatchKeySet keys, const at::Tensor& a, const at::Tensor& b) {
+    return path(keys, a, b);
+  });
+  lib->impl("linear", [path = LinearFastPath(captured("linear"))](
+                          c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, c10::string_view activation) {
+    return path(keys, x, weight, bias, activation);
+  });
+  lib->impl("conv2d_bias_relu",
+            torch::CppFunction::makeFromBoxedFunctor(
+                std::make_unique<BoxedFastPath>(captured("conv2d_bias_relu"))));
   autograd_registrations().push_back(std::move(lib));
 }
 

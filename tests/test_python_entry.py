@@ -152,8 +152,8 @@ def test_entry_present_when_extension_is():
 
 
 def test_threads_through_the_entry():
-    """The entry lets go of the GIL while the op runs, as torch.ops does: threads calling the
-    package functions at once each get their own right answer."""
+    """Threads calling the package functions at once each get their own right answer (these
+    products are small: the entry keeps the GIL for them)."""
     import threading
 
     inputs = [(randn(40, 64, seed=s), randn(64, 24, seed=100 + s)) for s in range(4)]
@@ -175,3 +175,30 @@ def test_threads_through_the_entry():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.mark.skipif(EXT is None, reason="needs the C++ extension")
+def test_large_products_let_go_of_the_gil():
+    """A product past the entry's small-call limit runs without the GIL, as torch.ops does:
+    a thread waiting for the GIL wakes while the call is still running, not at its end (as
+    it would if the call held the GIL)."""
+    import threading
+    import time
+
+    a, b = randn(2048, 2048, seed=1), randn(2048, 2048, seed=2)  # ~50 ms on 2 cores
+    tg.matmul(a, b)  # (the kernel's build or load, first)
+    started, times = threading.Event(), {}
+
+    def work():
+        times["start"] = time.perf_counter()
+        started.set()
+        tg.matmul(a, b)
+        times["end"] = time.perf_counter()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    times["woke"] = time.perf_counter()
+    worker.join()
+    call = times["end"] - times["start"]
+    assert times["woke"] - times["start"] < call / 2, (times, call)
