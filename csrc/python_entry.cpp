@@ -18,6 +18,8 @@
 #include <optional>
 #include <string>
 
+#include "parallel_launch.h"
+
 namespace py = pybind11;
 
 namespace tvm_gemm {
@@ -31,13 +33,12 @@ bool plain_call() { return !at::impl::torch_function_mode_enabled(); }
 
 py::object wrap(at::Tensor t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))); }
 
-// Products this small keep the GIL for the call: releasing it costs a lock and an unlock, and
-// each tensor the call copies (a tensor Python holds gains a second reference) takes it back
-// to update the Python object, while the kernel runs for a few microseconds at most.
-constexpr int64_t kKeepGilMaxMacs = int64_t{1} << 18;  // 64 x 64 x 64 multiply-adds
-
+// The products that run on the calling thread keep the GIL for the call too: releasing it
+// costs a lock and an unlock, and each tensor the call copies (a tensor Python holds gains a
+// second reference) takes it back to update the Python object, while the kernel runs for a
+// few microseconds at most.
 bool small_product(int64_t a_elements, int64_t n) {
-  return a_elements > 0 && n > 0 && a_elements <= kKeepGilMaxMacs / n;
+  return a_elements > 0 && n > 0 && a_elements <= kSerialMaxMacs / n;
 }
 
 py::object matmul_entry(py::handle a, py::handle b) {

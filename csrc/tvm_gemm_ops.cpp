@@ -358,11 +358,6 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
-// Products of at most this many multiply-adds run on the calling thread (SerialCalls): one
-// OpenMP region costs ~1 us, more than such a product takes (16 x 16 x 16 matmul, 2 threads,
-// Intel Xeon: the kernel alone 2.4 us with the region, 1.6 us without).
-constexpr int64_t kSerialMaxMacs = int64_t{1} << 18;  // 64 x 64 x 64
-
 // act(a @ B + bias) for a 2-D a; B is b ("kn") or b.T ("nk"). Mirrors gemm_ops.gemm's CPU branch
 // (these impls are registered for CPU only).
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
