@@ -158,6 +158,42 @@ def test_gpt2_tied_lm_head_and_conv1d():
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_mobilevit_silu_activation_fused_into_convs():
+    """transformers' SiLUActivation module (MobileViT's "silu") after conv -> BN is fused into
+    the conv like nn.SiLU, and into the Linear before it; the plain 1x1 convs (no BN, no
+    activation) stay on torch, and say so."""
+    torch.manual_seed(0)
+    config = transformers.MobileViTConfig(
+        image_size=32,
+        hidden_sizes=[16, 24, 32],
+        neck_hidden_sizes=[8, 8, 16, 16, 16, 24, 32],
+        num_attention_heads=2,
+        mlp_ratio=2.0,
+    )
+    model = transformers.MobileViTModel(config).eval()
+    # Running statistics away from (0, 1): the folded BN has something to get wrong.
+    for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+            bn.running_mean.uniform_(-0.2, 0.2), bn.running_var.uniform_(0.5, 1.5)
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(pixel_values=pixels)[0]
+        tg.convert(model)
+        got = model(pixel_values=pixels)[0]
+    layers = model.conversion_summary.layers
+    expand = [w for fqn, w in layers.items() if fqn.endswith("expand_1x1.convolution")]
+    assert expand and all(
+        "(folded) -> " in w and w.endswith("expand_1x1_activation") for w in expand
+    ), expand
+    dense = [w for fqn, w in layers.items() if fqn.endswith("intermediate.dense")]
+    assert dense and all("(silu)" in w for w in dense), dense
+    plain = [w for fqn, w in layers.items() if fqn.endswith("conv_1x1.convolution")]
+    assert plain and all(w.startswith("left alone: no BN or ReLU") for w in plain), plain
+    assert expected.abs().max() > 0.1
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
 def test_bert_bf16_forward():
     torch.manual_seed(0)
     model, inputs = bert()

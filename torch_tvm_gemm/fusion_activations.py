@@ -2,8 +2,8 @@
 
 ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``,
 ``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
-(``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``:
-EfficientNet) and leaky ReLU with a slope >= 0 (``nn.LeakyReLU``, ``F.leaky_relu``: CSPNet,
+(``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``,
+transformers' ``SiLUActivation``: EfficientNet, MobileViT) and leaky ReLU with a slope >= 0 (``nn.LeakyReLU``, ``F.leaky_relu``: CSPNet,
 DarkNet with torch's default 0.01, YOLO with 0.1; a negative slope is not fused), in place or
 not: the fused op writes a new tensor, and the in-place variant's input had no other user
 (the fusion checks).
@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .kernels.conv2d import leaky_relu_name, leaky_relu_slope
+from .kernels.conv2d import ACTIVATIONS, leaky_relu_name, leaky_relu_slope
+from .nn import activation_name
 
 _MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.SiLU: "silu"}
 _FUNCTIONS = {
@@ -40,7 +41,12 @@ def conv_activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | No
             return "relu6" if (mod.min_val, mod.max_val) == (0.0, 6.0) else None
         if type(mod) is nn.LeakyReLU:
             return _leaky_relu(mod.negative_slope)
-        return _MODULES.get(type(mod)) if len(node.args) == 1 and not node.kwargs else None
+        if len(node.args) != 1 or node.kwargs:
+            return None
+        # (the linear's names: transformers' activation modules too, which the tracer keeps
+        # as leaves; the conv takes those of them it computes)
+        name = _MODULES.get(type(mod)) or activation_name(mod)
+        return name if name in ACTIVATIONS else None
     if node.op == "call_function":
         if node.target in _HARDTANH:
             return "relu6" if _hardtanh_bounds(node) == (0.0, 6.0) else None
