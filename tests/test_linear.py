@@ -119,15 +119,15 @@ def test_packed_n_off_the_vectors(n, layout, m, dtype):
 
 
 def test_packed_a_copy_rule():
-    # A copied into row tiles only for a static K, two panels or more and a weight of at
-    # least A_PACK_MIN_B_ELEMENTS.
+    # A copied into row tiles only for a static K, A_PACK_MIN_PANELS panels or more (a
+    # vocabulary projection) and a weight of at least A_PACK_MIN_B_ELEMENTS.
     def packs(n, k):
         return cpu_schedules.packs_a(gemm_spec("float32", 2000, n, k, "nk"), 64)
 
-    assert packs(768, 768) and packs(512, 512) and packs(256, 256)
-    assert not packs(128, 128)  # a small weight
-    assert not packs(64, 8192)  # one panel
-    dynamic_k = dataclasses.replace(gemm_spec("float32", 2000, 768, 768, "kn"), k=None)
+    assert packs(50257, 768) and packs(32000, 512) and packs(16384, 4)
+    assert not packs(768, 768) and not packs(11008, 4096)  # read in place
+    assert not packs(16384, 2)  # a small weight
+    dynamic_k = dataclasses.replace(gemm_spec("float32", 2000, 50257, 768, "kn"), k=None)
     assert not cpu_schedules.packs_a(dynamic_k, 64)
 
 
@@ -182,16 +182,16 @@ def test_linear_with_the_pack_transposed_in_registers(m, k, n):
 @pytest.mark.parametrize("m", [600, 1100, 2100])
 @pytest.mark.parametrize(
     "k,n",
-    [(300, 320), (300, 330), (2100, 192), (150, 320)],
-    ids=["halves", "n-off-the-vectors", "516-row-chunks", "a-in-place"],
+    [(300, 320), (300, 330), (2100, 192), (5, 16400)],
+    ids=["halves", "n-off-the-vectors", "516-row-chunks", "a-copied"],
 )
 def test_linear_packed_over_several_chunks(m, k, n):
     """The packed kernel past one chunk of A (uneven last chunks): in halves of the panels (an
     odd count: 5) and in the order (chunk, panel) (N = 330 is no whole number of vectors),
-    A copied into row tiles first, or (a small weight) read in place."""
+    A read in place or (257 panels) copied into row tiles first."""
     spec = gemm_spec("float32", m, n, k, "nk")
     assert spec.variant == "gemm"
-    assert cpu_schedules.packs_a(spec, 64) == (k * n >= cpu_schedules.A_PACK_MIN_B_ELEMENTS)
+    assert cpu_schedules.packs_a(spec, 64) == (n >= 64 * cpu_schedules.A_PACK_MIN_PANELS)
     x, w, b = randn(m, k), randn(n, k), randn(n)
     assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
     wt = randn(k, n)

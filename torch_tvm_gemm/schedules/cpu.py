@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 32  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 33  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -302,22 +302,37 @@ def _pad_operands(sch, spec: GemmSpec, nr: int, mr: int | None = None):
     return b_pad
 
 
-# The packed kernel copies A into tiles (``_pack_a_in_tiles``) only for a static K, two
-# panels of B or more (with one, each row of A is read once anyway) and a weight of at least
-# A_PACK_MIN_B_ELEMENTS: the copy is a parallel loop of its own and a workspace, a few
-# microseconds a call, and it pays with M, which only the call knows. Kernels alone (2
-# threads, Intel Xeon, against F.linear / torch.matmul, two runs), A read in place -> copied:
-# 16 x 16 x 16 0.76x -> 0.51x, 64 x 64 x 64 1.11x -> 0.82x; N x K = 128 x 128 at M = 128
-# 1.03x -> 0.94x; 256 x 256 at M = 128 0.95-0.97x -> 0.88-0.93x, M = 256 +1 to +2%, M = 1024
-# 0.87-0.89x -> 0.96x; 384 x 384 -3% to +1%, +4 to +7%, +8 to +11%; 512 x 512 at M = 128
-# 0.99-1.03x -> 1.03-1.05x, M = 1024 0.90-0.91x -> 0.98-1.00x (768 x 768 and up:
-# ``_pack_a_in_tiles``).
+# The packed kernel copies A into tiles (``_pack_a_in_tiles``) only for a static K, a weight
+# of at least A_PACK_MIN_B_ELEMENTS and A_PACK_MIN_PANELS panels or more (a vocabulary
+# projection): elsewhere it reads A in place. The copy is a parallel loop of its own, a pass
+# over A and a workspace of its size; it pays where each row of A is read again for hundreds
+# of panels. Small products never won the copy back (kernels alone, 2 threads, a 2.0 GHz Intel
+# Xeon, A read in place -> copied: 16 x 16 x 16 0.76x -> 0.51x torch.matmul, 64 x 64 x 64
+# 1.11x -> 0.82x, N x K = 128 x 128 at M = 128 1.03x -> 0.94x). On that host the copy gained
+# at 256 x 256 to 768 x 768 from M = 256 on (M = 1024: 0.87-0.91x -> 0.96-1.00x F.linear);
+# on a ~3.4 GHz Xeon of the same model (FMA probe ~480 GFLOPS on 2 threads) reading A in
+# place wins instead: the kernel built both ways and loaded in one process, called in turn
+# on a ring of 4-8 inputs, against F.linear / torch.addmm (= 1), copied -> in place:
+# M = 1024, N x K = 768 x 768 0.94-0.97x -> 0.99-1.06x, 3072 x 768 1.00x -> 1.04x, 768 x 3072
+# 0.91-0.94x -> 1.02-1.03x, 512 x 512 0.96x -> 1.04-1.05x, 512 x 1376 0.92-0.94x ->
+# 1.05-1.07x, 1376 x 512 (no whole panels) 0.95-0.96x -> 0.97x (M = 128-2048: within 2%
+# either way); M = 128 / 256 / 512 / 2048 at 768 x 768 0.99 /
+# 1.01 / 1.04 / 0.94x -> 1.05 / 1.08 / 1.01 / 1.02x; "kn" (GPT-2's Conv1D) M = 1024, 2304 x
+# 768 0.89x -> 0.98x, 768 x 3072 0.88x -> 1.02x; 1024^3 0.93x -> 1.01x, 2048^3 0.93x -> 0.99x;
+# 4096 x 4096 at M = 128 / 512 / 2048 1.00 / 1.03 / 0.91x -> 1.02 / 1.06 / 0.95x; N = 11008,
+# K = 4096 (172 panels) at M = 128 / 512 1.04 / 1.05x -> 1.06 / 1.07x. With hundreds of
+# panels the copy still wins at M = 128: N = 50257, K = 768 (786 panels) 1.06x -> 1.00x,
+# N = 32000 (500 panels) 1.03x -> 1.02x (M = 1024: 1.03 / 1.21x -> 1.09 / 1.20x). Without
+# the copy the A operand of a tile is six rows of A read K values apart (the hardware
+# prefetchers follow six streams); the copy's own pass was 3.5-4% of a 768 x 768 call at
+# M = 1026 (115 of ~3,300 us). (docs/inference-shapes.md, section 18.)
 A_PACK_MIN_B_ELEMENTS = 1 << 16
+A_PACK_MIN_PANELS = 256
 
 
 def packs_a(spec: GemmSpec, nr: int) -> bool:
     """Whether the packed kernel for ``spec`` copies A into tiles first (see above)."""
-    if spec.k is None or -(-spec.n // nr) < 2:
+    if spec.k is None or -(-spec.n // nr) < A_PACK_MIN_PANELS:
         return False
     return spec.n * spec.k >= A_PACK_MIN_B_ELEMENTS
 
