@@ -2,11 +2,11 @@
 
 ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``,
 ``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
-(``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``,
-transformers' ``SiLUActivation``: EfficientNet, MobileViT) and leaky ReLU with a slope >= 0 (``nn.LeakyReLU``, ``F.leaky_relu``: CSPNet,
-DarkNet with torch's default 0.01, YOLO with 0.1; a negative slope is not fused), in place or
-not: the fused op writes a new tensor, and the in-place variant's input had no other user
-(the fusion checks).
+(``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``:
+EfficientNet; transformers' ``SiLUActivation``: MobileViT) and leaky ReLU with a slope >= 0
+(``nn.LeakyReLU``, ``F.leaky_relu``: CSPNet, DarkNet with torch's default 0.01, YOLO with
+0.1; a negative slope is not fused), in place or not: the fused op writes a new tensor, and
+the in-place variant's input had no other user (the fusion checks).
 """
 
 from __future__ import annotations
