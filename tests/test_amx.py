@@ -216,6 +216,23 @@ def test_partial_last_task(n, layout):
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [992, 993, 1057, 1090], ids=["31-blocks", "32", "34", "35"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_row_halves(m, layout):
+    """From ROW_HALVES_MIN_BLOCKS blocks of 32 rows on, a Linear's tasks are (half of the
+    blocks, panels): just below and at the threshold, an even and an odd block count, the
+    last block partial; 7 panels (the last task repeats one), N and K off the steps."""
+    n, k = 224, 100
+    blocks = -(-m // cpu_amx.BLOCK)
+    assert (blocks >= cpu_amx.ROW_HALVES_MIN_BLOCKS) == (m >= 993)
+    x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, k, layout, bias=True).variant == "gemm"
+    weight = w if layout == "nk" else w.t().contiguous().t()
+    out = tg.linear(x, weight, b, "gelu")
+    assert_close(out, reference(x, w, b, "gelu"), k)
+
+
+@needs_amx
 @pytest.mark.parametrize("n", [1, 40, 100], ids=["one-column", "1.25-panels", "3.1-panels"])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_partial_last_panel(n, layout):

@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 14  # (9: x packed in parallel, undone: not measurably faster)
+SCHEDULE_VERSION = 15  # (9: x packed in parallel, undone: not measurably faster)
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -176,8 +176,12 @@ def _amx_gemm_func(spec: GemmSpec):
                 tile_gemm_kblocked(T, tirx, M, N, spec.k, b_words, finish, fill_steps,
                                    lambda block: direct(block)[1])  # fmt: skip
             else:
+                # (a Linear's rows: its input, written by the op before; not a 1x1 conv's
+                # weight as A, bias per row)
+                halves = ROW_HALVES_MIN_BLOCKS if spec.bias_axis == "n" else None
                 tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch,
-                          max_group=_max_group(spec), out_address=out_address)  # fmt: skip
+                          max_group=_max_group(spec), out_address=out_address,
+                          row_halves_from=halves)  # fmt: skip
     return ib.get()
 
 
@@ -384,7 +388,8 @@ def _transposed_epilogue(T, tirx, N, M, c_acc, block, xb, finish):
 
 
 def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=None, blocks=None,
-              row_of=None, batch=None, max_group=None, out_address=None) -> None:  # fmt: skip
+              row_of=None, batch=None, max_group=None, out_address=None,
+              row_halves_from=None) -> None:  # fmt: skip
     """The body of a tile GEMM inside an IR builder's prim_func. B is the (N, K) weight
     (``nk``) or a (K, N) matrix; ``finish(row, col, value)`` stores one fp32 sum of the real
     (M, N) outputs. A comes in blocks of 32 rows, each read one of two ways:
@@ -403,7 +408,9 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
     (batch entry, task) pairs, and ``finish``, ``fill_block`` and ``direct`` get the entry as
     a last argument. ``max_group`` caps the panels per task (default PANELS_PER_TASK).
     ``out_address(row, col)`` (with the entry, batched), where given, lets each block fetch
-    its output lines ahead (``_prefetch_outputs``)."""
+    its output lines ahead (``_prefetch_outputs``). ``row_halves_from`` (not batched): from
+    that many blocks on, the tasks are (half of the blocks, panels) instead of (panels), see
+    ROW_HALVES_MIN_BLOCKS."""
 
     def i64(v):
         return tirx.const(v, "int64")
@@ -419,9 +426,17 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
     panel_words = steps * TILE_ROWS * BLOCK
     tasks = -(-panels // group)
     panel_of = _panel_of(tirx, panels, group)
-    with T.parallel(i64(0), i64(tasks) if batch is None else batch * tasks) as it:
+    # Halves of the blocks: 2 (tasks (half, panels), decided at run time by M) or 1.
+    halves = i64(1)
+    if row_halves_from is not None and batch is None:
+        halves = tirx.Select(blocks >= row_halves_from, i64(2), i64(1))
+    with T.parallel(i64(0), halves * tasks if batch is None else batch * tasks) as it:
         entry = None if batch is None else it // tasks  # the batch entry of this task
-        task = it if batch is None else it % tasks
+        task = it % tasks
+        # this task's blocks: all of them, or (halves of the blocks) its half
+        half_blocks = (blocks + halves - 1) // halves
+        first_block = (it // tasks) * half_blocks if batch is None else i64(0)
+        last_block = tirx.min(blocks, first_block + half_blocks) if batch is None else blocks
         at_entry = () if entry is None else (entry,)  # the callbacks' extra argument
         config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
         b_pairs = T.alloc_buffer((group * panel_words,), "float32", align=64)
@@ -457,7 +472,7 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
             fill_block(a_tiles, block, *at_entry)
             products(copied)
 
-        with T.serial(i64(0), blocks) as block:
+        with T.serial(first_block, last_block) as block:
             if out_address is not None:
                 _prefetch_outputs(T, tirx, block, M, N, [panel_of(task, g) for g in range(group)],
                                   lambda row, col: out_address(row, col, *at_entry))  # fmt: skip
@@ -477,6 +492,21 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
                           row_of, lambda *v: finish(*v, *at_entry))  # fmt: skip
         tile_op("tilerelease")
 
+
+# From ROW_HALVES_MIN_BLOCKS blocks of 32 rows (M >= 993) a Linear's tasks are (half of the
+# blocks, panels): each thread computes all of N for its own half of the rows, packing every
+# panel (the pack twice over, once per thread), where with tasks of panels only each thread
+# read all of A. In a model A is the output of the op before, written half by each thread, so
+# that half of it came from the other core. Kernels alone (2 threads, Intel Xeon ~3.4 GHz,
+# both builds in one process, called in turn, against F.linear on oneDNN = 1), panels ->
+# halves, A = layer_norm(x) fresh at each call and weights from a ring of 12: M = 1024,
+# N x K = 512 x 512 0.77-0.81x -> 0.95x, 1376 x 512 0.82x -> 0.97x, 512 x 1376 1.50x -> 1.70x,
+# 768 x 768 1.48x -> 1.82x, 3072 x 768 0.83x -> 0.92x, 768 x 3072 1.96x -> 1.94x; M = 2048,
+# 512 x 512 0.69x -> 0.89x; M = 512 1.53x -> 1.61x, M = 256 1.16x -> 1.14x (512 x 512). One
+# input kept hot: M = 1024 512 x 512 0.92x -> 0.98x, 1376 x 512 0.90x -> 0.94x, 768 x 3072
+# 2.04x -> 2.07x; but M = 256 (768 x 768, 512 x 512) 1.12-1.19x -> 1.00-1.03x, M = 512 3072 x
+# 768 0.98x -> 0.88x, M = 2048 4096 x 4096 1.03x -> 0.99x: the second pack weighs more there.
+ROW_HALVES_MIN_BLOCKS = 32
 
 # Panels (of 32 columns) per parallel task: a task's packed panels stay in L2 while each
 # block of A is read once for all of them. At least 4 tasks for two threads to share.
