@@ -223,6 +223,10 @@ def test_row_halves(m, layout):
     blocks, panels): just below and at the threshold, an even and an odd block count, the
     last block partial; 7 panels (the last task repeats one), N and K off the steps."""
     n, k = 224, 100
+    assert cpu_amx.row_halves(gemm_spec("bfloat16", m, n, k, layout))
+    assert cpu_amx.row_halves(gemm_spec("bfloat16", m, 3072, 768, layout))
+    assert not cpu_amx.row_halves(gemm_spec("bfloat16", m, 4096, 4096, layout))  # a big weight
+    assert not cpu_amx.row_halves(gemm_spec("bfloat16", m, n, k, layout, static_k=False))
     blocks = -(-m // cpu_amx.BLOCK)
     assert (blocks >= cpu_amx.ROW_HALVES_MIN_BLOCKS) == (m >= 993)
     x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)

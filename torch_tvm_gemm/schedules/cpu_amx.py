@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 15  # (9: x packed in parallel, undone: not measurably faster)
+SCHEDULE_VERSION = 16  # (9: x packed in parallel, undone: not measurably faster)
 
 TILE_ROWS = 16  # rows of every tile; A tiles are 32 bf16 wide, C and B tiles 16 fp32 / pairs
 BLOCK = 32  # rows of A and columns of B per 2 x 2 tile product
@@ -176,9 +176,7 @@ def _amx_gemm_func(spec: GemmSpec):
                 tile_gemm_kblocked(T, tirx, M, N, spec.k, b_words, finish, fill_steps,
                                    lambda block: direct(block)[1])  # fmt: skip
             else:
-                # (a Linear's rows: its input, written by the op before; not a 1x1 conv's
-                # weight as A, bias per row)
-                halves = ROW_HALVES_MIN_BLOCKS if spec.bias_axis == "n" else None
+                halves = ROW_HALVES_MIN_BLOCKS if row_halves(spec) else None
                 tile_gemm(T, tirx, M, N, K, B, nk, finish, fill_block, direct, batch=batch,
                           max_group=_max_group(spec), out_address=out_address,
                           row_halves_from=halves)  # fmt: skip
@@ -506,7 +504,23 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
 # input kept hot: M = 1024 512 x 512 0.92x -> 0.98x, 1376 x 512 0.90x -> 0.94x, 768 x 3072
 # 2.04x -> 2.07x; but M = 256 (768 x 768, 512 x 512) 1.12-1.19x -> 1.00-1.03x, M = 512 3072 x
 # 768 0.98x -> 0.88x, M = 2048 4096 x 4096 1.03x -> 0.99x: the second pack weighs more there.
+# Only for weights of at most ROW_HALVES_MAX_WEIGHT values: each thread's pack of all of a
+# large weight (read from memory) costs more than A's reads save. M = 1024, same comparison,
+# hot / fresh input: 4096 x 4096 0.94x / 0.96x -> 0.87x / 0.90x, N = 11008 K = 4096 1.09x /
+# 0.97x -> 0.97x / 0.88x, where 3072 x 768 and 768 x 3072 (2.4M values) gain or hold.
 ROW_HALVES_MIN_BLOCKS = 32
+ROW_HALVES_MAX_WEIGHT = 1 << 22
+
+
+def row_halves(spec: GemmSpec) -> bool:
+    """Whether the tile GEMM of ``spec`` splits its rows in halves from ROW_HALVES_MIN_BLOCKS
+    blocks on: a Linear (its rows are its input, written by the op before; not a 1x1 conv's
+    weight as A, bias per row) with a static K and a weight of at most ROW_HALVES_MAX_WEIGHT
+    values."""
+    if spec.batched or spec.bias_axis != "n" or spec.k is None:
+        return False
+    return spec.n * spec.k <= ROW_HALVES_MAX_WEIGHT
+
 
 # Panels (of 32 columns) per parallel task: a task's packed panels stay in L2 while each
 # block of A is read once for all of them. At least 4 tasks for two threads to share.
