@@ -18,7 +18,8 @@ from torch import fx, nn
 from .kernels.conv2d import ACTIVATIONS, leaky_relu_name, leaky_relu_slope
 from .nn import activation_name
 
-_MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.SiLU: "silu"}
+# (ReLU, SiLU and transformers' activation modules: ``nn.activation_name``, as for linears)
+_MODULES = {nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
 _FUNCTIONS = {
     F.relu: "relu",
     torch.relu: "relu",
@@ -43,8 +44,8 @@ def conv_activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | No
             return _leaky_relu(mod.negative_slope)
         if len(node.args) != 1 or node.kwargs:
             return None
-        # (the linear's names: transformers' activation modules too, which the tracer keeps
-        # as leaves; the conv takes those of them it computes)
+        # (activation_name: the tracer keeps transformers' activation modules as leaves; the
+        # conv takes those of them it computes)
         name = _MODULES.get(type(mod)) or activation_name(mod)
         return name if name in ACTIVATIONS else None
     if node.op == "call_function":
