@@ -68,6 +68,33 @@ def test_sass_has_hgmma_and_tma(sass):
     assert not [op for op in ops if op.startswith(("LDL", "STL"))], "local memory (spills)"
 
 
+def _instructions(sass: str) -> list[str]:
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", sass)
+
+
+def accumulator_read_before_wait(sass: str) -> str | None:
+    """The first instruction after the last HGMMA that reads one of its accumulator
+    registers before a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` (all wgmma done), or None."""
+    ins = _instructions(sass)
+    last = max(i for i, text in enumerate(ins) if text.startswith("HGMMA."))
+    base = int(re.search(r"HGMMA\.64x(\d+)x16\.F32 R(\d+)", ins[last]).group(2))
+    acc = set(range(base, base + CFG.block_n // 2))
+    for text in ins[last + 1 :]:
+        if text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+            return None
+        if acc & {int(r) for r in re.findall(r"\bR(\d+)\b", text)}:
+            return text
+    return None
+
+
+@needs_cuobjdump
+def test_accumulators_read_only_after_the_last_wait(sass):
+    # On an H200 the epilogue once read the first accumulators while the last wgmma group
+    # was still running: ptxas had scheduled them above the wait_group(0) that followed
+    # the k loop (wrong values in columns 0-39 of each tile).
+    assert accumulator_read_before_wait(sass) is None
+
+
 @needs_cuobjdump
 def test_wgmma_not_serialized_in_sass(sass):
     # ptxas serializes a wgmma pipeline it cannot prove safe: then every HGMMA carries its

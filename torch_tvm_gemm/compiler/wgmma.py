@@ -35,8 +35,8 @@ def export_wgmma(m: int, n: int, k: int, path, **kwargs) -> dict:
 
 
 # What benchmarks/gpu_check.sh carries to a GPU machine: (file name, export options), each a
-# 1024^3 kernel, checked there by tests/test_cuda_ops.py and timed by benchmarks/gpu_bench.py.
-CHECK_SIZE = 1024
+# 4096^3 kernel, checked there by tests/test_cuda_ops.py and timed by benchmarks/gpu_bench.py.
+CHECK_SIZE = 4096
 CHECK_VARIANTS = {"plain.so": {}, "bias_relu.so": {"bias": True, "relu": True}}
 ENV_CHECK_DIR = "TVM_GEMM_WGMMA_DIR"
 

@@ -338,7 +338,8 @@ def _conv2d_fake(
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
     conv_activation(relu, activation)
     if _cuda_channels_last(x):
-        return x.new_empty(shape, memory_format=torch.channels_last)
+        # (Tensor.new_empty takes no memory_format)
+        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     return x.new_empty(shape)
 
 

@@ -220,11 +220,16 @@ def wgmma_gemm_func(
                     )
                 T.ptx.wgmma.commit_group.sync.aligned()
                 # keep this k-tile's wgmma group in flight; the previous one is done, so
-                # its shared-memory slot goes back to the producer
-                T.ptx.wgmma.wait_group.sync.aligned(1)
+                # its shared-memory slot goes back to the producer. After the last k-tile
+                # wait for all, *inside* the loop: with wait_group(0) after the loop, ptxas
+                # 13.0 scheduled the epilogue's first accumulator reads above it (an H200
+                # gave wrong values in columns 0-39 of each tile).
+                if kt == k_tiles - 1:
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                else:
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
                 if kt > 0:
                     T.ptx["mbarrier.arrive.shared::cta.b64"](empty.ptr_to([(kt - 1) % stages]))
-            T.ptx.wgmma.wait_group.sync.aligned(0)
             for j in T.unroll(bn_ // 8):
                 row = T.meta_var(by * bm_ + (wg - 1) * 64 + (tid // 32) * 16 + (tid % 32) // 4)
                 col = T.meta_var(bx * bn_ + j * 8 + (tid % 4) * 2)
