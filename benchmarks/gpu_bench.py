@@ -2,12 +2,14 @@
 
     python benchmarks/gpu_bench.py [--reps 20] [--json out.json]
 
-Workloads: ``torch_tvm_gemm.tools.cuda_cases.BENCH_CASES`` (bf16/fp16 GEMM at 512^3, 4096^3,
-8192^3; linear + bias + relu at M = N = K = 4096) and ``CONV_BENCH_CASES`` (conv2d + bias +
-relu on ResNet-50 layers, batch 32, channels_last, vs F.relu(F.conv2d) on cuDNN), the kernels
-of ``compile --preset bench``. Aims (H200, mma.sync): GEMM 4096^3 / 8192^3 >= 0.8x
-torch.matmul, 512^3 >= 0.7x, linear + bias + relu >= 1.0x F.linear + relu; conv: none yet
-(reported only).
+Workloads: ``torch_tvm_gemm.tools.cuda_cases.BENCH_CASES`` (bf16/fp16 matmul at 512^3,
+4096^3, 8192^3; linear + bias + relu at M = N = K = 4096; linear at 8192^3) and
+``CONV_BENCH_CASES`` (conv2d + bias + relu on ResNet-50 layers, batch 32, channels_last, vs
+F.relu(F.conv2d) on cuDNN), the kernels of ``compile --preset bench``. Each GEMM row names its
+schedule: on an H100 / H200 (sm_90a) the linears run TMA + wgmma, the matmuls mma.sync
+(TVM_GEMM_CUDA_WGMMA=0: mma.sync for all). Aims: matmul 4096^3 / 8192^3 >= 0.8x
+torch.matmul, 512^3 >= 0.7x, linear + bias + relu >= 1.0x F.linear + relu, linear >= 0.9x
+F.linear; conv: none yet (reported only).
 """
 
 from __future__ import annotations
@@ -26,30 +28,58 @@ TARGETS = {512: 0.7, 4096: 0.8, 8192: 0.8}
 
 
 def time_ms(fn, reps: int) -> float:
-    """Median time of ``fn`` in ms, CUDA events, after warm-up."""
+    """Mean time of ``fn`` in ms over ``reps`` calls launched back to back, as a model runs
+    its layers (the host's work for a call overlaps the GPU's work for the previous one),
+    CUDA events around the whole run; the best of 3 runs, after warm-up."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+    runs = []
+    for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        runs.append(start.elapsed_time(end) / reps)
+    return min(runs)
 
 
 def torch_version_of(case: Case, args):
     if case.op == "matmul":
         return lambda: torch.matmul(*args)
-    x, w, b, _ = args
-    return lambda: F.relu(F.linear(x, w, b))
+    x, w, b, act = args
+    if act == "relu":
+        return lambda: F.relu(F.linear(x, w, b))
+    return lambda: F.linear(x, w, b)
 
 
 def target_of(case: Case) -> float:
-    return 1.0 if case.op == "linear" else TARGETS[case.k]
+    if case.op == "linear":  # fused vs torch's two ops: 1.0; alone: cuBLAS, wgmma's aim
+        return 1.0 if case.activation == "relu" else 0.9
+    return TARGETS[case.k]
+
+
+def schedule_of(case: Case) -> str:
+    """The CUDA schedule this GPU runs the case with (mma, wgmma, ...)."""
+    from torch_tvm_gemm.ops import gemm_spec
+    from torch_tvm_gemm.schedules.cuda import schedule_kind
+    from torch_tvm_gemm.target import cuda_arch
+
+    layout = "kn" if case.op == "matmul" else "nk"
+    name = str(case.dtype).replace("torch.", "")
+    spec = gemm_spec(
+        name,
+        case.m,
+        case.n,
+        case.k,
+        layout,
+        bias=case.bias,
+        activation=case.activation,
+        device="cuda",
+    )
+    return schedule_kind(spec, cuda_arch())
 
 
 def row(op, dtype, shape, ours, theirs, flops, target, err, first_call_s) -> dict:
@@ -84,7 +114,7 @@ def bench(case: Case, reps: int) -> dict:
     ours = time_ms(lambda: case.run(*args), reps)
     theirs = time_ms(torch_version_of(case, args), reps)
     return row(
-        case.op + ("+bias+relu" if case.op == "linear" else ""),
+        case.op + ("+bias+relu" if case.activation == "relu" else "") + f" ({schedule_of(case)})",
         case.dtype,
         f"{case.m}x{case.n}x{case.k}",
         ours,
@@ -115,28 +145,6 @@ def bench_conv(case: ConvCase, reps: int) -> dict:
     )
 
 
-def bench_wgmma() -> dict | None:
-    """The first wgmma kernel (not in the ops yet) vs F.linear, when gpu_check.sh carried it
-    and this is an sm_90 GPU; None otherwise."""
-    import os
-    from pathlib import Path
-
-    from torch_tvm_gemm.compiler.wgmma import CHECK_SIZE, ENV_CHECK_DIR, load_check_kernel
-
-    path = Path(os.environ.get(ENV_CHECK_DIR, "/nonexistent")) / "plain.so"
-    if torch.cuda.get_device_capability() != (9, 0) or not path.exists():
-        return None
-    kernel, n = load_check_kernel(path), CHECK_SIZE
-    a, b = (torch.randn(n, n, device="cuda").half() for _ in range(2))
-    out = torch.empty(n, n, device="cuda", dtype=torch.float16)
-    kernel(a, b, out)
-    err = (out.float() - F.linear(a.float(), b.float())).abs().max().item()
-    ours = time_ms(lambda: kernel(a, b, out), 20)
-    theirs = time_ms(lambda: F.linear(a, b), 20)
-    shape = f"{n}x{n}x{n}"
-    return row("wgmma (first)", torch.float16, shape, ours, theirs, 2 * n**3, None, err, None)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=20)
@@ -144,24 +152,20 @@ def main() -> int:
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     header = (
-        f"{'op':<16}{'dtype':<10}{'M x N x K':<17}{'TVM ms':>9}{'torch ms':>10}"
+        f"{'op':<26}{'dtype':<10}{'M x N x K':<17}{'TVM ms':>9}{'torch ms':>10}"
         f"{'TVM TF/s':>10}{'torch TF/s':>11}{'ratio':>7}{'target':>8}{'max err':>10}"
     )
     print(header)
     print("-" * len(header))
     rows, failed = [], 0
-    for case in [*BENCH_CASES, *CONV_BENCH_CASES, "wgmma"]:
+    for case in [*BENCH_CASES, *CONV_BENCH_CASES]:
         try:
-            if case == "wgmma":
-                result = bench_wgmma()
-                if result is None:
-                    continue
-            elif case.op == "conv2d":
+            if case.op == "conv2d":
                 result = bench_conv(case, args.reps)
             else:
                 result = bench(case, args.reps)
         except Exception as err:  # one failing kernel must not hide the others
-            print(f"{getattr(case, 'op', case):<16} FAILED: {err}")
+            print(f"{case.op:<26} FAILED: {err}")
             failed += 1
             continue
         rows.append(result)
@@ -173,7 +177,7 @@ def main() -> int:
             )
         )
         print(
-            f"{result['op']:<16}{result['dtype']:<10}{result['shape']:<17}{result['tvm_ms']:>9.3f}"
+            f"{result['op']:<26}{result['dtype']:<10}{result['shape']:<17}{result['tvm_ms']:>9.3f}"
             f"{result['torch_ms']:>10.3f}{result['tvm_tflops']:>10.1f}{result['torch_tflops']:>11.1f}"
             f"{result['ratio']:>7.2f}{target}{result['max_abs_err']:>8.1e}",
             flush=True,

@@ -4,16 +4,17 @@
 # Two steps:
 #
 # 1. Here (build machine: apache-tvm, nvcc, registry access, no GPU needed), from the repo root:
-#        bash benchmarks/gpu_check.sh prepare [sm_90]
+#        bash benchmarks/gpu_check.sh prepare [sm_90a]      (an A100: sm_80; a list: sm_90,sm_90a)
 #    fills .gpu_carry/ (git-ignored, ~10 MB, small enough to copy anywhere):
 #        wheels/  apache-tvm-ffi 0.1.14.post1 (cp312) and pytest (+ deps) for Python 3.12
 #        lib/     libtvm_runtime.so and libtvm_runtime_cuda.so copied from the apache-tvm wheel
 #        pack/    the kernels of the GPU tests and the benchmark (GEMM and conv2d), cross-
 #                 compiled for the arch (`python -m torch_tvm_gemm compile --preset all`),
 #                 with manifest.json
+#                 (sm_90a, an H100 / H200: the linears on TMA + wgmma, the rest on mma.sync;
+#                 with sm_90,sm_90a both kernels of a linear, TVM_GEMM_CUDA_WGMMA=0 picks mma)
 #        pack_wmma/  the test kernels again with TVM_GEMM_CUDA_FORCE_WMMA=1: fp16 on the
 #                 Volta/Turing WMMA schedule, checked on this GPU by a second, short pytest
-#        wgmma/   for sm_90: the first TMA + wgmma kernel (docs/wgmma.md), two variants
 #
 # 2. On a machine with an NVIDIA GPU (e.g. Python 3.12, torch with CUDA 13, no apache-tvm
 #    needed): copy the working tree and .gpu_carry/ there and, from the repo root, run
@@ -28,7 +29,7 @@ cd "$(dirname "$0")/.."
 CARRY=.gpu_carry
 
 if [[ "${1:-run}" == "prepare" ]]; then
-    ARCH=${2:-sm_90}
+    ARCH=${2:-sm_90a}
     rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/lib"
     pip download --quiet --python-version 3.12 --only-binary=:all: --no-deps \
         -d "$CARRY/wheels" apache-tvm-ffi==0.1.14.post1
@@ -41,10 +42,6 @@ print(pathlib.Path(importlib.util.find_spec('tvm').origin).parent / 'lib')")
     # The Volta/Turing WMMA schedule, forced for this arch, so that it is checked here too.
     TVM_GEMM_CUDA_FORCE_WMMA=1 python -m torch_tvm_gemm compile --target cuda --arch "$ARCH" \
         --preset test --out "$CARRY/pack_wmma"
-    if [[ "$ARCH" == sm_90* ]]; then  # the first wgmma kernel (sm_90a, not in the ops yet)
-        python -c "from torch_tvm_gemm.compiler.wgmma import export_check_kernels; \
-export_check_kernels('$CARRY/wgmma')"
-    fi
     du -sh "$CARRY"
     exit 0
 fi
@@ -57,7 +54,6 @@ python -m pip install --quiet --no-index --find-links "$CARRY/wheels" apache-tvm
 export TVM_GEMM_RUNTIME_LIB_DIR="$PWD/$CARRY/lib"
 export TVM_GEMM_PACK="$PWD/$CARRY/pack"
 export TVM_GEMM_NO_COMPILE=1
-export TVM_GEMM_WGMMA_DIR="$PWD/$CARRY/wgmma"
 export TVM_GEMM_CACHE_DIR=/tmp/tvm_gemm_cache
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 

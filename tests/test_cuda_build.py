@@ -9,6 +9,7 @@ inspects the libraries they wrote.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -363,6 +364,68 @@ def test_schedule_by_arch_and_dtype():
     spec = GemmSpec("float16", 64, 64, "nk", device="cuda")
     assert not pass_config(spec, "sm_75")["tirx.use_async_copy"]  # no cp.async before sm_80
     assert pass_config(spec, "sm_80")["tirx.use_async_copy"]
+
+
+def test_wgmma_on_sm90a_for_linear_shapes(monkeypatch):
+    """Hopper's own arch (sm_90a) runs linear-shaped fp16/bf16 products on TMA + wgmma;
+    everything else, plain sm_90 and TVM_GEMM_CUDA_WGMMA=0 keep mma.sync."""
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.schedules.cuda import ENV_WGMMA, schedule_kind, tir_pipeline
+
+    def kind(arch="sm_90a", dtype="bfloat16", n=256, k=192, **kw):
+        return schedule_kind(
+            GemmSpec(dtype, n, k, kw.pop("layout", "nk"), device="cuda", **kw), arch
+        )
+
+    assert kind() == kind(dtype="float16") == kind(bias=True, activation="relu") == "wgmma"
+    assert kind("sm_90") == kind("sm_80") == "mma"
+    assert kind(layout="kn") == kind(n=200) == kind(k=136) == kind(variant="gemv") == "mma"
+    assert kind(activation="gelu") == kind(bias=True, bias_axis="m") == "mma"
+    assert kind(dtype="float32") == "simt" and kind(dtype="float32", tf32=True) == "tf32"
+    spec = GemmSpec("float16", 256, 192, "nk", device="cuda")
+    assert tir_pipeline(spec, "sm_90a") == "tirx" and tir_pipeline(spec, "sm_90") is None
+    monkeypatch.setenv(ENV_WGMMA, "0")
+    assert kind() == "mma"
+
+
+def test_cache_key_names_the_schedule(monkeypatch):
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.runtime import cache
+    from torch_tvm_gemm.schedules.cuda import ENV_WGMMA
+
+    spec = GemmSpec("bfloat16", 256, 192, "nk", device="cuda")
+    monkeypatch.setattr(cache, "device_key", lambda device: "cuda-sm_90a")  # no GPU here
+    assert cache.full_key(spec)["schedule"] == "wgmma"
+    monkeypatch.setenv(ENV_WGMMA, "0")
+    assert cache.full_key(spec)["schedule"] == "mma"
+
+
+def test_pack_lookup_prefers_the_schedule_of_this_gpu(monkeypatch, tmp_path):
+    """A pack built for sm_90 and sm_90a holds a linear's mma.sync and wgmma kernels: an
+    sm_90a GPU loads the wgmma one (the mma one with TVM_GEMM_CUDA_WGMMA=0), and a pack
+    with sm_90 code only still serves it."""
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.schedules.cuda import ENV_WGMMA
+
+    spec = GemmSpec("float16", 256, 192, "nk", device="cuda")
+    entries = []
+    for kind, arches in (("mma", ["sm_90"]), ("wgmma", ["sm_90a"])):
+        (tmp_path / f"{kind}.so").write_bytes(kind.encode())
+        digest = hashlib.sha256(kind.encode()).hexdigest()
+        entry = {"key": spec.key(), "name": spec.name(), "file": f"{kind}.so", "sha256": digest}
+        entries.append({**entry, "arches": arches, "schedule": kind})
+    manifest = {"format": 2, "arches": ["sm_90", "sm_90a"], "kernels": entries}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(pack_loader, "_packs", {})
+    monkeypatch.setattr(pack_loader, "_env_loaded", True)
+    monkeypatch.setattr(pack_loader, "load_kernel_file", lambda path, name, device: path.name)
+    pack_loader.load_pack(tmp_path)
+    assert pack_loader.lookup(spec, "sm_90a") == "wgmma.so"
+    assert pack_loader.lookup(spec, "sm_90") == "mma.so"
+    monkeypatch.setenv(ENV_WGMMA, "0")
+    assert pack_loader.lookup(spec, "sm_90a") == "mma.so"
+    with pytest.raises(RuntimeError, match="not for this GPU"):
+        pack_loader.lookup(spec, "sm_80")
 
 
 def test_tf32_is_its_own_kernel(monkeypatch):

@@ -1,4 +1,4 @@
-"""The first Hopper kernel (schedules/cuda_wgmma.py): TMA + wgmma for sm_90a, SASS checked.
+"""The Hopper kernel (schedules/cuda_wgmma.py): TMA + wgmma for sm_90a, SASS checked.
 
 No GPU needed: TVM generates the CUDA source, nvcc compiles it for sm_90a
 (-gencode arch=compute_90a,code=sm_90a) and the SASS is read with cuobjdump. Skipped when
@@ -24,9 +24,9 @@ needs_cuobjdump = pytest.mark.skipif(
     cuda_pack.find_cuobjdump() is None, reason="cuobjdump not found (nvidia-cuda-cuobjdump)"
 )
 
-SIZE = (1024, 1024, 1024)
+SIZE = (None, 1024, 1024)  # M symbolic, as the ops build it
 CFG = cuda_wgmma.WgmmaConfig()
-VARIANTS = {"plain": {}, "bias_relu": {"bias": True, "relu": True}}
+VARIANTS = {"plain": {}, "bias_relu_bf16": {"dtype": "bfloat16", "bias": True, "relu": True}}
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -52,7 +52,8 @@ def _opcodes(sass: str) -> list[str]:
 
 def test_source_uses_wgmma_and_tma(built):
     src = built["source"]
-    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in src
+    ab = cuda_wgmma.PTX_TYPES[built.get("dtype", "float16")]
+    assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}" in src
     assert "cp.async.bulk.tensor.2d" in src
     assert "__grid_constant__ CUtensorMap" in src
     assert "mbarrier.try_wait.parity" in src
@@ -77,8 +78,8 @@ def accumulator_read_before_wait(sass: str) -> str | None:
     registers before a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` (all wgmma done), or None."""
     ins = _instructions(sass)
     last = max(i for i, text in enumerate(ins) if text.startswith("HGMMA."))
-    base = int(re.search(r"HGMMA\.64x(\d+)x16\.F32 R(\d+)", ins[last]).group(2))
-    acc = set(range(base, base + CFG.block_n // 2))
+    n, base = map(int, re.search(r"HGMMA\.64x(\d+)x16\.\S+ R(\d+)", ins[last]).groups())
+    acc = set(range(base, base + n // 2))  # m64nNk16: N / 2 fp32 accumulators per thread
     for text in ins[last + 1 :]:
         if text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
             return None
@@ -126,10 +127,21 @@ def test_bad_shapes_rejected():
         cuda_wgmma.wgmma_gemm_func(1024, 1024, 1024, cfg=cuda_wgmma.WgmmaConfig(block_k=32))
 
 
-def test_export_library_holds_sm90a_sass(tmp_path):
-    path = tmp_path / "wgmma.so"
-    facts = wgmma.export_wgmma(*SIZE, path)
-    assert facts["arches"] == ["sm_90a"]
-    fatbin = cuda_pack.fatbin_from_library(path)
+def test_pack_holds_both_kernels_of_a_linear(tmp_path):
+    """A pack for sm_90 and sm_90a: the linear's mma.sync library for sm_90 and its wgmma
+    library (HGMMA in the sm_90a SASS) for sm_90a; a matmul (B stored (K, N)) stays mma."""
+    from torch_tvm_gemm.cli.compile import parse_op
+    from torch_tvm_gemm.compiler import pack_writer
+
+    (spec,) = parse_op("linear:bfloat16:256:192:bias+relu", ["gemm"])
+    entries = pack_writer.build_kernels(spec, ["sm_90", "sm_90a"], tmp_path)
+    assert {e["schedule"]: e["arches"] for e in entries} == {
+        "mma": ["sm_90"],
+        "wgmma": ["sm_90a"],
+    }
     if cuda_pack.find_cuobjdump():
-        assert "HGMMA" in cuda_pack.sass_by_arch(fatbin)["sm_90a"]
+        (wgmma_entry,) = [e for e in entries if e["schedule"] == "wgmma"]
+        fatbin = cuda_pack.fatbin_from_library(tmp_path / wgmma_entry["file"])
+        assert "HGMMA.64x128x16.F32.BF16" in cuda_pack.sass_by_arch(fatbin)["sm_90a"]
+    (matmul,) = parse_op("matmul:bfloat16:256:192", ["gemm"])
+    assert pack_writer.schedule_groups(matmul, ["sm_90a"]) == {"mma": ["sm_90a"]}

@@ -106,7 +106,9 @@ def _l2_bytes() -> int:
 
 
 def cuda_arch(device_index: int | None = None) -> str:
-    """``sm_XY`` of this process's current (or the given) GPU; needs a GPU."""
+    """``sm_XY`` of this process's current (or the given) GPU; needs a GPU. A Hopper (9.0)
+    GPU is ``sm_90a``: code built for it may use that chip's own instructions (wgmma, TMA),
+    and runs on 9.0 GPUs only; kernels built for plain ``sm_90`` run there too."""
     import torch
 
     if not torch.cuda.is_available():
@@ -115,7 +117,7 @@ def cuda_arch(device_index: int | None = None) -> str:
             "`python -m torch_tvm_gemm compile --target cuda --arch sm_80,...`"
         )
     major, minor = torch.cuda.get_device_capability(device_index)
-    return f"sm_{major}{minor}"
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
 def device_key(device: str) -> str:

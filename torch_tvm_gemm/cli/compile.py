@@ -1,6 +1,6 @@
 """``compile``: cross-compile CUDA kernels into a pack, on a machine without a GPU.
 
-    python -m torch_tvm_gemm compile --target cuda --arch sm_80,sm_90 \\
+    python -m torch_tvm_gemm compile --target cuda --arch sm_80,sm_90a \\
         --ops linear:bfloat16:4096:4096:bias+relu matmul:float16:1024:1024 --out pack/
     python -m torch_tvm_gemm compile --target cuda --preset bench --out pack/
 
@@ -29,7 +29,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "tf32")
 def register(sub) -> None:
     p = sub.add_parser("compile", help="cross-compile CUDA kernels (nvcc, no GPU) into a pack")
     p.add_argument("--target", default="cuda", choices=["cuda"])
-    p.add_argument("--arch", default="sm_80,sm_90", help="comma-separated, e.g. sm_80,sm_90")
+    p.add_argument("--arch", default="sm_80,sm_90a", help="comma-separated, e.g. sm_80,sm_90a")
     p.add_argument(
         "--ops", nargs="*", default=[], help="OP:DTYPE:N:K[:EPILOGUE] or conv2d:... (see above)"
     )

@@ -67,11 +67,15 @@ def compile_spec(
     start = time.perf_counter()
     target = target_json(spec.device, arch) if spec.device == "cuda" else target_json("cpu")
     mod = lower(spec, target, use_tuned)
-    config = None
+    config, options = None, {}
     if spec.device == "cuda":  # pass options depend on the schedule (cp.async: sm_80+)
-        config = schedules.module(spec.family, "cuda").pass_config(spec, target["arch"])
+        schedule = schedules.module(spec.family, "cuda")
+        config = schedule.pass_config(spec, target["arch"])
+        pipeline = schedule.tir_pipeline(spec, target["arch"])
+        if pipeline is not None:
+            options["tir_pipeline"] = pipeline
     with tvm.transform.PassContext(config=config) if config else contextlib.nullcontext():
-        executable = tvm.compile(mod, target=tvm.target.Target(target))
+        executable = tvm.compile(mod, target=tvm.target.Target(target), **options)
     if spec.device == "cuda":
         executable = CudaExecutable(executable, arches or [target["arch"]])
     return executable, time.perf_counter() - start

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DEFAULT_ARCHES = ("sm_80", "sm_90")
+DEFAULT_ARCHES = ("sm_80", "sm_90a")
 DEFAULT_CUDA_ROOTS = ("/usr/local/cuda",)
 # -maxrregcount=255: the register limit is the kernel's __launch_bounds__ alone. Without an
 # explicit limit ptxas 13 applies an occupancy heuristic on sm_75 that capped a WMMA kernel

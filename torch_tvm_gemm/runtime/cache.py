@@ -64,8 +64,10 @@ def full_key(spec) -> dict:
     tuned = tuned_key(spec)
     if tuned is not None:  # absent when untuned: hand kernels keep their existing keys
         key["tuned"] = tuned
-    if spec.family == "gemm" and spec.device == "cuda" and cuda_schedules.forced_wmma():
-        key["forced_schedule"] = "wmma"  # a debugging switch's kernels stay apart
+    if spec.family == "gemm" and spec.device == "cuda":
+        # (the switches TVM_GEMM_CUDA_FORCE_WMMA / TVM_GEMM_CUDA_WGMMA change it: their
+        # kernels stay apart)
+        key["schedule"] = cuda_schedules.schedule_kind(spec, key["target"].removeprefix("cuda-"))
     return key
 
 

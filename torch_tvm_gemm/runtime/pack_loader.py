@@ -17,6 +17,7 @@ from typing import Any
 
 from ..kernels.conv2d import Conv2dSpec
 from ..kernels.gemm import GemmSpec
+from ..schedules import cuda, cuda_conv2d
 from .loader import load_kernel_file
 
 ENV_PACK = "TVM_GEMM_PACK"  # pack folders (os.pathsep separated) a GPU process loads
@@ -69,8 +70,21 @@ def _load_env_packs() -> None:
         load_pack(folder)
 
 
+def _runs_on(entry: dict, arch: str) -> bool:
+    """Whether a pack entry has SASS for ``arch``: its own, or the base arch's for an
+    ``sm_90a`` GPU (plain sm_90 code runs there)."""
+    return arch in entry["arches"] or arch.rstrip("a") in entry["arches"]
+
+
+def _wanted_schedule(spec, arch: str) -> str:
+    schedule = cuda_conv2d if spec.family == "conv2d" else cuda
+    return schedule.schedule_kind(spec, arch)
+
+
 def lookup(spec, arch: str) -> Any | None:
-    """The kernel for ``spec`` from a loaded pack, or None if no pack has it.
+    """The kernel for ``spec`` from a loaded pack, or None if no pack has it. Of the
+    entries that run on ``arch``, the one with the schedule a build here would use
+    (``schedule_kind``: e.g. wgmma on sm_90a) comes first.
 
     A pack kernel without SASS for ``arch`` is an error, not a silent rebuild.
     """
@@ -78,7 +92,9 @@ def lookup(spec, arch: str) -> Any | None:
     hits = _packs.get(spec)
     if not hits:
         return None
-    found = [(p, e) for p, e in hits if arch in e["arches"]]
+    found = [(p, e) for p, e in hits if _runs_on(e, arch)]
+    wanted = _wanted_schedule(spec, arch)
+    found.sort(key=lambda hit: hit[1].get("schedule") != wanted)
     if not found:
         built = sorted({a for _, e in hits for a in e["arches"]})
         raise RuntimeError(

@@ -16,6 +16,9 @@ predicate and symbolic M needs none either.
 
 fp32 / fp64 ("simt" schedule, any arch, also fp16/bf16 below sm_80): classic shared-memory
 tiling with a register-blocked TM x TN micro-tile per thread, FMA on CUDA cores.
+
+Hopper ("wgmma", sm_90a: an H100 / H200's arch with its own instructions): linear-shaped
+fp16 / bf16 products go to ``cuda_wgmma`` (TMA + wgmma), see ``schedule_kind``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import math
 from dataclasses import dataclass
 
 from ..kernels.gemm import GemmSpec, gemm_compute
-from . import cuda_intrin, cuda_intrin_tf32, cuda_intrin_wmma
+from . import cuda_intrin, cuda_intrin_tf32, cuda_intrin_wmma, cuda_wgmma
 
-SCHEDULE_VERSION = 3  # part of the cache key: bump when a schedule changes the binary
-# (2: nvcc -maxrregcount=255, WMMA and TF32 schedules)
+SCHEDULE_VERSION = 4  # part of the cache key: bump when a schedule changes the binary
+# (2: nvcc -maxrregcount=255, WMMA and TF32 schedules; 4: padded accumulator tile, wgmma)
 MIN_ARCH = 70  # below Volta: no kernels (ops/checks.py raises a clear error)
 MMA_MIN_ARCH = 80  # ldmatrix + mma.sync m16n8k16 with bf16, cp.async
 
@@ -109,13 +112,17 @@ def schedule_kind(spec: GemmSpec, arch: str) -> str:
     - "tf32": fp32 with ``spec.tf32`` on sm_80+ (mma.sync m16n8k8 .tf32);
     - "simt": everything else, bf16 below sm_80 included (Volta and Turing tensor cores have
       no bf16 mode; their bf16 GEMMs run on CUDA cores, correct but slower: bf16 stays usable
-      on a V100 / T4, as in torch, rather than raising), and exact fp32.
+      on a V100 / T4, as in torch, rather than raising), and exact fp32;
+    - "wgmma": on sm_90a, what ``cuda_wgmma.supports`` (linear-shaped fp16/bf16 with N, K
+      multiples of 128 and 64), unless TVM_GEMM_CUDA_WGMMA=0.
     """
     sm = arch_number(arch)
     if spec.tf32:
         return "tf32" if sm >= MMA_MIN_ARCH else "simt"
     if spec.dtype == "float16" and sm >= MIN_ARCH and forced_wmma():
         return "wmma"
+    if arch.endswith("a") and sm == 90 and wgmma_enabled() and cuda_wgmma.supports(spec):
+        return "wgmma"
     if spec.dtype in ("float16", "bfloat16") and sm >= MMA_MIN_ARCH:
         return "mma"
     if spec.dtype == "float16" and sm >= MIN_ARCH:
@@ -135,6 +142,17 @@ def forced_wmma() -> bool:
     return os.environ.get(ENV_FORCE_WMMA, "") == "1"
 
 
+# TVM_GEMM_CUDA_WGMMA=0: Hopper runs the mma.sync kernels too (to compare the two on one GPU;
+# its kernels get their own cache key, see cache.full_key).
+ENV_WGMMA = "TVM_GEMM_CUDA_WGMMA"
+
+
+def wgmma_enabled() -> bool:
+    import os
+
+    return os.environ.get(ENV_WGMMA, "") != "0"
+
+
 def uses_tensor_cores(spec: GemmSpec, arch: str) -> bool:
     return schedule_kind(spec, arch) != "simt"
 
@@ -142,6 +160,9 @@ def uses_tensor_cores(spec: GemmSpec, arch: str) -> bool:
 def launch_config(spec: GemmSpec, arch: str) -> dict:
     """Threads per block and shared memory the schedule of ``spec`` uses (for checks)."""
     kind = schedule_kind(spec, arch)
+    if kind == "wgmma":
+        cfg = cuda_wgmma.WgmmaConfig()
+        return {"threads": cfg.threads, "smem_bytes": cfg.smem_bytes(), "schedule": kind}
     if kind in TENSOR_CORE_CONFIGS:
         cfg = TENSOR_CORE_CONFIGS[kind][spec.variant]
         item = 4 if kind == "tf32" else 2
@@ -163,6 +184,8 @@ def pass_config(spec: GemmSpec, arch: str) -> dict:
     memory is still reused: the dynamic shared allocations are merged by their own pass.
     """
     kind = schedule_kind(spec, arch)
+    if kind == "wgmma":  # (written with its own copies and barriers: nothing to add)
+        return {}
     return {
         "tirx.use_async_copy": kind in ("mma", "tf32"),
         "tirx.disable_cse_tir": True,
@@ -170,9 +193,17 @@ def pass_config(spec: GemmSpec, arch: str) -> dict:
     }
 
 
+def tir_pipeline(spec: GemmSpec, arch: str) -> str | None:
+    """``tvm.compile``'s ``tir_pipeline`` for the kernel of ``spec``: "tirx" for the wgmma
+    kernel (written in TIRx), else TVM's default."""
+    return "tirx" if schedule_kind(spec, arch) == "wgmma" else None
+
+
 def schedule_gemm(spec: GemmSpec, arch: str):
     """The scheduled IRModule for ``spec`` on a GPU of compute capability ``arch``."""
     kind = schedule_kind(spec, arch)
+    if kind == "wgmma":
+        return cuda_wgmma.schedule_gemm(spec)
     if kind in TENSOR_CORE_CONFIGS:
         return schedule_mma(spec, TENSOR_CORE_CONFIGS[kind][spec.variant], kind)
     return schedule_simt(spec, SIMT_CONFIGS[spec.variant])
@@ -272,7 +303,15 @@ def schedule_mma(
     sch.tensorize(load_b, names["load_b"])
     sch.tensorize(sch.get_loops(sch.get_sblock("acc"))[-3], names["compute"])
     sch.tensorize(sch.get_loops(sch.get_sblock("acc_init"))[-2], names["init"])
-    sch.tensorize(store_c, names["store"])
+    store_block = sch.blockize(store_c)
+    sch.tensorize(store_block, names["store"])
+    if kind != "wmma":
+        # mma.sync's accumulator fragment: lane (g, t) writes row g, columns 2t, 2t+1. With
+        # unpadded rows (a multiple of 32 floats) the 8 rows of a store hit the same 8 banks:
+        # an 8-way conflict (ncu on an H200: 8.2-way, 76% of the shared-store wavefronts).
+        # Rows 8 floats apart in bank space: 2 wavefronts per 256-byte store, the minimum.
+        # (On the tensorized block: tensorize drops the annotations of the block it replaces.)
+        sch.storage_align(store_block, 0, axis=-2, factor=32, offset=8)
 
     _pipeline(sch, k0, cfg, async_copy=kind != "wmma")
     return sch.mod

@@ -61,6 +61,11 @@ def pass_config(spec: Conv2dSpec, arch: str) -> dict:
     return {"tirx.use_async_copy": schedule_kind(spec, arch) == "mma", "tirx.disable_cse_tir": True}
 
 
+def tir_pipeline(spec: Conv2dSpec, arch: str) -> None:
+    """TVM's default pipeline (the conv has no TIRx kernel; see ``cuda.tir_pipeline``)."""
+    return None
+
+
 def mma_config(spec: Conv2dSpec) -> cuda.MmaConfig:
     return MMA_NARROW if spec.k <= NARROW_K else cuda.MMA_CONFIGS["gemm"]
 

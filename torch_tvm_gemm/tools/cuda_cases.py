@@ -128,6 +128,10 @@ TEST_CASES = [
         ("linear", 129, 200, 136, True, "relu"),
         ("linear", 5, 64, 64, True, "gelu"),
         ("linear", 300, 256, 1000, False, "none"),  # K padded to the K tile
+        # N, K multiples of 128, 64: fp16/bf16 take the wgmma kernel on sm_90a (M ragged: the
+        # last row block has 1 / 104 rows; 10 k-tiles go round the 4-stage ring)
+        ("linear", 129, 256, 192, True, "relu"),
+        ("linear", 1000, 384, 640, False, "none"),
     ]
 ]
 # TF32 (fp32 inputs on tensor cores, torch.backends.cuda.matmul.allow_tf32 = True): the fp32
@@ -167,9 +171,12 @@ CONV_BENCH_CASES = [
     # Each 3x3 layer once and two of the 1x1 ones: the pack stays small.
     for (c, k, hw, r) in (RESNET50_CONVS[i] for i in (0, 1, 3, 6, 7, 9))
 ]
-BENCH_CASES = [
-    Case("matmul", dt, s, s, s) for s in (512, 4096, 8192) for dt in (torch.bfloat16, torch.float16)
-] + [Case("linear", dt, 4096, 4096, 4096, True, "relu") for dt in (torch.bfloat16, torch.float16)]
+BENCH_CASES = (
+    [Case("matmul", dt, s, s, s) for s in (512, 4096, 8192) for dt in NARROW]
+    + [Case("linear", dt, 4096, 4096, 4096, True, "relu") for dt in NARROW]
+    # (a linear's weight is (N, K): on sm_90a these run the wgmma kernel, matmul mma.sync)
+    + [Case("linear", dt, 8192, 8192, 8192) for dt in NARROW]
+)
 
 
 def record_specs(cases, backward: bool = False, tf32: bool = False) -> list:
