@@ -17,13 +17,14 @@
 #                 Volta/Turing WMMA schedule, checked on this GPU by a second, short pytest
 #
 # 2. On a machine with an NVIDIA GPU (e.g. Python 3.12, torch with CUDA 13, no apache-tvm
-#    needed): copy the working tree and .gpu_carry/ there and, from the repo root, run
+#    needed): copy the working tree and .gpu_carry/ there and, from the repo root, with the
+#    Python that has torch first on PATH, run
 #        bash benchmarks/gpu_check.sh
 #    It installs the carried wheels, runs tests/test_cuda_ops.py (kernels from the pack only:
 #    TVM_GEMM_NO_COMPILE=1), the fp16 cases again on the forced WMMA schedule, and
-#    benchmarks/gpu_bench.py, and prints one table. Budget: tests < 4 min, WMMA check
-#    < 1.5 min, benchmark < 3 min; each step has its own timeout so the table always prints.
-#    Results are also written to $OUT (gpu_bench.json, pytest*.log) when $OUT is set.
+#    benchmarks/gpu_bench.py, and prints one table (on an H200 the three take about a
+#    minute; each step has its own timeout so the table always prints). Results are also
+#    written to $GPU_CHECK_OUT (gpu_bench.json, pytest*.log; default /tmp/gpu_check_out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu_carry
@@ -46,7 +47,7 @@ print(pathlib.Path(importlib.util.find_spec('tvm').origin).parent / 'lib')")
     exit 0
 fi
 
-OUT_DIR=${OUT:-/tmp/gpu_check_out}
+OUT_DIR=${GPU_CHECK_OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT_DIR"
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo '?')"
 python -m pip install --quiet --no-index --find-links "$CARRY/wheels" apache-tvm-ffi pytest 2>&1 \
