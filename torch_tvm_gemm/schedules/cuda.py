@@ -51,10 +51,10 @@ class MmaConfig:
     def smem_bytes(self, dtype_bytes: int = 2) -> int:
         """Shared memory of one block, a safe upper bound: the pipelined A/B tiles (rows
         padded by up to 8 elements, B stored either way) and the fp32 accumulator tile of
-        the epilogue, counted as if it reused nothing."""
+        the epilogue (rows padded by 8), counted as if it reused nothing."""
         a = self.bm * (self.bk + 8)
         b = max(self.bn * (self.bk + 8), self.bk * (self.bn + 8))
-        return (a + b) * dtype_bytes * self.stages + self.bm * self.bn * 4
+        return (a + b) * dtype_bytes * self.stages + self.bm * (self.bn + 8) * 4
 
 
 @dataclass(frozen=True)
