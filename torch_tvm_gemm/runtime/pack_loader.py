@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .. import schedules
 from ..kernels.conv2d import Conv2dSpec
 from ..kernels.gemm import GemmSpec
-from ..schedules import cuda, cuda_conv2d
 from .loader import load_kernel_file
 
 ENV_PACK = "TVM_GEMM_PACK"  # pack folders (os.pathsep separated) a GPU process loads
@@ -76,11 +76,6 @@ def _runs_on(entry: dict, arch: str) -> bool:
     return arch in entry["arches"] or arch.rstrip("a") in entry["arches"]
 
 
-def _wanted_schedule(spec, arch: str) -> str:
-    schedule = cuda_conv2d if spec.family == "conv2d" else cuda
-    return schedule.schedule_kind(spec, arch)
-
-
 def lookup(spec, arch: str) -> Any | None:
     """The kernel for ``spec`` from a loaded pack, or None if no pack has it. Of the
     entries that run on ``arch``, the one with the schedule a build here would use
@@ -93,7 +88,7 @@ def lookup(spec, arch: str) -> Any | None:
     if not hits:
         return None
     found = [(p, e) for p, e in hits if _runs_on(e, arch)]
-    wanted = _wanted_schedule(spec, arch)
+    wanted = schedules.module(spec.family, "cuda").schedule_kind(spec, arch)
     found.sort(key=lambda hit: hit[1].get("schedule") != wanted)
     if not found:
         built = sorted({a for _, e in hits for a in e["arches"]})

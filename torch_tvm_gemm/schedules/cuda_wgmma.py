@@ -43,6 +43,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..kernels import epilogue
+
 ARCH = "sm_90a"
 
 
@@ -169,8 +171,7 @@ def wgmma_gemm_func(
         if bias:
             acc_value = acc_value + bias_value
         if relu:
-            # (not max(x, 0), which turns NaN into 0: see kernels/epilogue.py)
-            acc_value = T.Select(acc_value < T.float32(0), T.float32(0), acc_value)
+            acc_value = epilogue.relu(acc_value, "float32")  # (NaN stays NaN)
         return acc_value
 
     def body(A, B, bias_buf, C, m_rows):
