@@ -93,6 +93,9 @@ struct Config {
     int64_t min_m = 0, max_m = 0, min_n = 0, max_k = 0;
   };
   std::array<OnePanelSwap, 2> one_panel_swaps{};
+  // "swap2" (kVariants[8]; float32 "nk", static K, two panels of x): the same four bounds
+  // (schedules/cpu.py SWAP2_*, swap_max_k); max_m 0: never.
+  OnePanelSwap swap2{};
   // "ksplit" (float32 "kn", static K): M in [1, max_m], N >= min_n and a multiple of
   // n_multiple (schedules/cpu.py KSPLIT_*); max_m 0: never.
   struct {
@@ -175,8 +178,8 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 8> kVariants{
-    {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32", "swap48"}};
+constexpr std::array<const char*, 9> kVariants{
+    {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32", "swap48", "swap2"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
@@ -201,6 +204,11 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
       k <= swap.max_k) {
     return 4;
+  }
+  const auto& swap2 = g_config.swap2;
+  if (b_nk && big_b && fp32 && static_k && m >= swap2.min_m && m <= swap2.max_m &&
+      n >= swap2.min_n && k <= swap2.max_k) {
+    return 8;
   }
   const auto& ksplit = g_config.ksplit;
   if (!b_nk && big_b && fp32 && static_k && m >= 1 && m <= ksplit.max_m && n >= ksplit.min_n &&
@@ -661,7 +669,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     int64_t dot2_max_m, const std::vector<int64_t>& swap,
                     bool autograd_fast_path,
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
-                    const std::vector<int64_t>& one_panel_swaps) {
+                    const std::vector<int64_t>& one_panel_swaps,
+                    const std::vector<int64_t>& swap2) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -686,6 +695,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
     const int64_t* v = one_panel_swaps.data() + 4 * i;
     config.one_panel_swaps[i] = {v[0], v[1], v[2], v[3]};
   }
+  TORCH_CHECK(swap2.empty() || swap2.size() == 4,
+              "tvm_gemm: swap2 must be (min_m, max_m, min_n, max_k)");
+  if (!swap2.empty()) config.swap2 = {swap2[0], swap2[1], swap2[2], swap2[3]};
   config.activations = activations;
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
@@ -751,6 +763,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_dot") = std::vector<int64_t>{},
         py::arg("ksplit") = std::vector<int64_t>{},
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
+        py::arg("swap2") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

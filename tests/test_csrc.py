@@ -275,6 +275,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
     nks += [(64, cpu.swap_max_k()), (64, cpu.swap_max_k() + 1)]
     nks += [(50257, 768), (768, cpu.swap_max_k() // 2 + 1)]  # (once: two panels of x)
+    nks += [(cpu.SWAP2_MIN_N, 768), (cpu.SWAP2_MIN_N - 1, 768)]  # "swap2" at M = 120..128
     ms += [119, 121, 128]
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]

@@ -345,10 +345,54 @@ def test_swap_variant_rule():
     assert gemm_variant(64, 768, 768, "nk", dtype="bfloat16") == ("dot" if amx else "gemm")
     assert gemm_variant(64, 768, 768, "nk", static_k=False) == "gemm"
     assert gemm_variant(64, 768, 11008, "nk") == "gemm"  # a panel of x past half the L2
-    # One panel of x only: at M = 120-128 the packed kernel, whatever N and K.
+    # Two panels of x ("swap2", a measured choice) only for vocabulary-wide N at M = 120-128.
     assert [
-        gemm_variant(m, n, k, "nk") for m in (120, 128) for n, k in [(50257, 768), (768, 3072)]
-    ] == ["gemm"] * 4
+        gemm_variant(m, n, k, "nk") for m in (119, 120, 128, 129) for n, k in [(50257, 768)]
+    ] == ["gemm", "swap2", "swap2", "gemm"]
+    least_n = cpu_schedules.SWAP2_MIN_N
+    assert gemm_variant(128, least_n, 768, "nk") == "swap2"
+    assert gemm_variant(128, least_n - 1, 768, "nk") == "gemm"
+    assert gemm_variant(128, least_n, cpu_schedules.swap_max_k() + 1, "nk") == "gemm"
+    assert gemm_variant(128, least_n, 768, "kn") == "gemm"
+    assert gemm_variant(128, least_n, 768, "nk", static_k=False) == "gemm"
+
+
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_linear_swap2_serves_the_chosen_kernel(monkeypatch, setting):
+    # A vocabulary-wide N at M = 120..128: TVM_GEMM_SWAP2 forces the swap kernel ("1") or the
+    # packed one ("0"), or ("auto") the faster of the two here serves the spec. Every M of the
+    # window, N off the 48-row tasks and the 64-wide panels, K off the vectors, a NaN stays
+    # in its row: the same answer whichever kernel runs.
+    from torch_tvm_gemm.runtime import table, variant_choice
+
+    monkeypatch.setenv(variant_choice.ENV_SWAP2, setting)
+    n, k = cpu_schedules.SWAP2_MIN_N + 5, 37
+    w, b = randn(n, k), randn(n)
+    table.clear_table()
+    for m in (120, 121, 127, 128):
+        x = randn(m, k)
+        x[m - 2, 3] = float("nan")
+        out = tg.linear(x, w, b, "gelu")
+        assert torch.isnan(out[m - 2]).all() and not torch.isnan(out[: m - 2]).any()
+        want = reference(x, w, b, "gelu").float()
+        torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, k))
+    spec = next(spec for spec in table._table if spec.variant == "swap2")
+    assert len(table._table) == (1 if setting == "1" else 2)  # (+ the packed kernel's spec)
+    chosen = variant_choice.chosen_variant(spec)
+    assert chosen == {"0": "gemm", "1": "swap2"}.get(setting, chosen)
+    assert chosen in ("gemm", "swap2")
+    table.clear_table()
+    assert variant_choice.chosen_variant(spec) is None  # forgotten with the table
+
+
+def test_swap2_setting_is_checked(monkeypatch):
+    from torch_tvm_gemm.runtime import table, variant_choice
+
+    monkeypatch.setenv(variant_choice.ENV_SWAP2, "yes")
+    table.clear_table()
+    with pytest.raises(ValueError, match="TVM_GEMM_SWAP2 must be"):
+        tg.linear(randn(128, 16), randn(cpu_schedules.SWAP2_MIN_N, 16))
+    table.clear_table()
 
 
 def test_one_panel_swap_variant_rule():

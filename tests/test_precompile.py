@@ -266,6 +266,24 @@ def _child(cache_dir: Path, how: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_precompile_readies_both_kernels_of_a_measured_variant():
+    # A vocabulary-wide Linear at M = 128 ("swap2"): its kernel is measured against the packed
+    # one at first use, so precompile builds (or loads) both and leaves the choice to that use.
+    from torch_tvm_gemm.runtime import cache, variant_choice
+    from torch_tvm_gemm.runtime.precompile import precompile_specs
+    from torch_tvm_gemm.schedules.cpu import SWAP2_MIN_N
+
+    w, b = randn(SWAP2_MIN_N + 5, 37), randn(SWAP2_MIN_N + 5)
+    specs, _ = _planned(lambda: lin(randn(128, 37), w, b, "gelu"))
+    assert [spec.variant for spec in specs] == ["swap2"]
+    both = variant_choice.candidates(specs[0])
+    assert [spec.variant for spec in both] == ["swap2", "gemm"]
+    table.clear_table()
+    precompile_specs(specs)
+    assert all(cache.kernel_path(spec).exists() for spec in both)
+    assert variant_choice.chosen_variant(specs[0]) is None  # not measured yet
+
+
 def test_precompile_builds_what_a_forward_needs_on_a_cold_cache(tmp_path):
     cold = _child(tmp_path, "convert")  # convert(model, example_inputs=...)
     assert cold["ok"] and not cold["tvm_imported"], cold

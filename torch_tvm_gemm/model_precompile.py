@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .ops import planning
+from .runtime import variant_choice
 from .runtime.precompile import precompile_specs
 from .runtime.table import has_kernel
 
@@ -71,7 +72,9 @@ def precompile(
             f"{_WHO}: example_kwargs must be a dict, got {type(example_kwargs).__name__}"
         )
     start = time.perf_counter()
-    specs = model_kernels(model, example_inputs, example_kwargs or {})
+    # (A variant chosen by a measurement at first use needs each of its candidate kernels.)
+    planned = model_kernels(model, example_inputs, example_kwargs or {})
+    specs = list(dict.fromkeys(c for spec in planned for c in variant_choice.candidates(spec)))
     ready = sum(has_kernel(spec) for spec in specs)
     built = precompile_specs(specs, workers)
     return PrecompileSummary(

@@ -143,6 +143,12 @@ def use_impl(path: str) -> str:
                     cpu_schedules.one_panel_swap_max_k(variant),
                 )
             ],
+            swap2=[
+                cpu_schedules.SWAP2_MIN_M,
+                cpu_schedules.SWAP2_MAX_M,
+                cpu_schedules.SWAP2_MIN_N,
+                cpu_schedules.swap_max_k(),
+            ],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

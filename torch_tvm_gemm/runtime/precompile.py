@@ -3,7 +3,9 @@
 A model converted for TVM kernels needs a dozen or more of them; built on first use they
 build one after another, as each layer first runs. ``precompile_specs`` asks for all of them
 up front: cached kernels are loaded, missing ones built by up to ``workers`` compile workers
-at a time (``build_worker``), each then in the kernel table as if it had been used.
+at a time (``build_worker``), each then in the kernel table as if it had been used. A
+variant chosen by a measurement (``variant_choice``) has each of its candidate kernels made
+ready; the measurement waits for its first use, when no builds compete for the cores.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from . import build_worker
+from . import build_worker, cache, variant_choice
 from .build_worker import KernelBuildError
 from .table import get_kernel
 
@@ -25,7 +27,7 @@ def precompile_specs(specs: Iterable, workers: int | None = None) -> int:
     ``KernelBuildError`` names each failed kernel and its error (``.errors``: name ->
     exception) once the others are ready.
     """
-    unique = list(dict.fromkeys(specs))
+    unique = list(dict.fromkeys(c for spec in specs for c in variant_choice.candidates(spec)))
     if not unique:
         return 0
     if workers is not None and workers < 1:
@@ -34,7 +36,7 @@ def precompile_specs(specs: Iterable, workers: int | None = None) -> int:
     before = build_worker.build_count()
     errors: dict[str, BaseException] = {}
     with ThreadPoolExecutor(threads, thread_name_prefix="tvm_gemm_build") as pool:
-        futures = {spec: pool.submit(get_kernel, spec) for spec in unique}
+        futures = {spec: pool.submit(_make_ready, spec) for spec in unique}
         for spec, future in futures.items():
             err = future.exception()
             if err is not None:
@@ -49,3 +51,10 @@ def precompile_specs(specs: Iterable, workers: int | None = None) -> int:
         failure.errors = errors
         raise failure
     return build_worker.build_count() - before
+
+
+def _make_ready(spec) -> None:
+    if variant_choice.measured(spec):
+        cache.load_or_build(spec)  # built and cached; chosen against the other at first use
+    else:
+        get_kernel(spec)

@@ -1,7 +1,8 @@
 """The in-memory kernel table: ``get_kernel(spec)``, the one way the ops obtain a kernel.
 
 A hit is a dict lookup; a miss asks, in order: a loaded CUDA kernel pack (built on another
-machine), the disk cache, a build.
+machine), the disk cache, a build. A variant measured on this machine
+(``variant_choice``) gets the faster of its candidate kernels.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..target import cuda_arch
-from . import cache, pack_loader
+from . import cache, pack_loader, variant_choice
 
 _lock = threading.RLock()
 _table: dict[Any, Any] = {}  # spec (CPU) or (spec, arch) (CUDA) -> kernel function
@@ -35,6 +36,8 @@ def get_kernel(spec) -> Any:
         fn = _table.get(key)
         if fn is None and spec.device == "cuda":
             fn = pack_loader.lookup(spec, key[1])  # a loaded pack first (built elsewhere)
+        if fn is None and variant_choice.measured(spec):
+            fn = variant_choice.choose(spec, cache.load_or_build, get_kernel)
         if fn is None:
             fn = cache.load_or_build(spec)
         with _lock:
@@ -61,5 +64,6 @@ def clear_table() -> None:
     """Forget loaded kernels (tests; after clearing the disk cache)."""
     with _lock:
         _table.clear()
+        variant_choice.forget()
         for hook in _clear_hooks:
             hook()

@@ -77,15 +77,24 @@ DOT2_TILE = (2, 10)
 # Intel Xeon of the same family (FMA probe 247 GFLOPS on 2 threads, no turbo), kernels alone,
 # the same comparison is 1.08-1.18 -> 0.95-1.25x (M=56-64, seven BERT/LLaMA shapes): kept for
 # the large gain on the faster machine.
-# One panel only. Two panels (M=120-128, the weight read once per panel) won on the 3.5 GHz
-# machine for long K (N=768 K=3072 1.05 -> 1.13x, 4096x4096 1.02 -> 1.15x) and for vocabulary
-# projections (GPT-2's lm_head 0.92-0.96 -> 1.04-1.05x), but lost on the 2.0 GHz one, kernels
-# alone, packed -> two panels: N=768 K=3072 1.06-1.07 -> 0.84x, 4096x4096 1.07-1.14 ->
-# 0.71-0.79x, N=50257 K=768 1.00 -> 0.83x, N=32000 K=768 (M=120) 0.98 -> 0.80x: the packed
-# kernel is the one that holds on both.
+# Two panels (M=120-128, the weight read once per panel) won on the 3.5 GHz machine for long K
+# (N=768 K=3072 1.05 -> 1.13x, 4096x4096 1.02 -> 1.15x) and for vocabulary projections (GPT-2's
+# lm_head 0.92-0.96 -> 1.04-1.05x), but lost on the 2.0 GHz one, kernels alone, packed -> two
+# panels: N=768 K=3072 1.06-1.07 -> 0.84x, 4096x4096 1.07-1.14 -> 0.71-0.79x, N=50257 K=768
+# 1.00 -> 0.83x, N=32000 K=768 (M=120) 0.98 -> 0.80x. So no fixed rule holds on both: there
+# the "swap2" variant stands for a choice, made on the machine itself at first use
+# (runtime/variant_choice.py), between the swap kernel over two panels and the packed kernel.
 SWAP_PANEL = 64
 SWAP_SLACK = 8
 SWAP_MIN_M, SWAP_MAX_M = SWAP_PANEL - SWAP_SLACK, SWAP_PANEL
+# "swap2": M within SWAP_SLACK rows of two panels, N >= SWAP2_MIN_N, K <= swap_max_k. Where
+# the weight is re-read from memory, as in a model, the swap kernel's in-place reads of it lose
+# at BERT's and LLaMA's layer widths (kernels alone, 2 threads, this Intel Xeon, packed / swap:
+# 768 x 768 1.02-1.04x with the weights in L3, 0.95x from memory; in a converted BERT 0.89x,
+# 1376 x 512 in a LLaMA-style stack 0.91x); vocabulary projections gain: 1.03-1.12x at N =
+# 16384..50257, K = 768..4096.
+SWAP2_MIN_M, SWAP2_MAX_M = 2 * SWAP_PANEL - SWAP_SLACK, 2 * SWAP_PANEL
+SWAP2_MIN_N = 16384
 SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 # The one-panel swap variants: the swap kernel for M within SWAP_SLACK rows of one panel of 32
 # or 48 rows of x, its tile the panel's rows by 12 / 8 columns of the result (24 accumulators:
@@ -152,7 +161,8 @@ def gemm_variant(
     static_k: bool = True,
 ) -> str:
     """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot",
-    "swap32", "swap48", "swap" or "gemm"."""
+    "swap32", "swap48", "swap", "swap2" (its kernel or the packed one, whichever runs faster
+    here: runtime/variant_choice.py) or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
     if nk and dtype == "float32" and static_k:
@@ -166,6 +176,8 @@ def gemm_variant(
         return "dot"
     if nk and dtype == "float32" and static_k and _swap_fits(m, n, k):
         return "swap"
+    if nk and dtype == "float32" and static_k and _swap2_fits(m, n, k):
+        return "swap2"
     kn = device == "cpu" and b_layout == "kn" and big_b
     if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
         return "ksplit"
@@ -188,6 +200,10 @@ def _one_panel_swap_fits(variant: str, m: int, n: int, k: int) -> bool:
 
 def _swap_fits(m: int, n: int, k: int) -> bool:
     return SWAP_MIN_M <= m <= SWAP_MAX_M and k <= swap_max_k()
+
+
+def _swap2_fits(m: int, n: int, k: int) -> bool:
+    return SWAP2_MIN_M <= m <= SWAP2_MAX_M and n >= SWAP2_MIN_N and k <= swap_max_k()
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -251,7 +267,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         tile = DOT2_TILE if spec.variant == "dot2" else DOT_TILE
         sch = s_tir.Schedule(gemm_compute(spec, *tile))
         _schedule_dot_nk(sch, spec, vec, tile)
-    elif spec.variant == "swap" or spec.variant in ONE_PANEL_SWAPS:
+    elif spec.variant in ("swap", "swap2") or spec.variant in ONE_PANEL_SWAPS:
         if spec.b_layout != "nk" or spec.dtype != "float32" or spec.k is None:
             raise ValueError(f"bad GemmSpec {spec}: the swap variant is float32 x (N, K) weight")
         panel, (rows, tiles), _ = ONE_PANEL_SWAPS.get(spec.variant, (SWAP_PANEL, SWAP_TILE, 0))
@@ -445,8 +461,8 @@ def _schedule_swapped(sch, panel: int, rows: int, tiles: int, vec: int) -> None:
     panel of ``panel`` rows of x, each ``rows`` x ``panel`` tile of the transposed result sums
     in registers over all of K (``rows`` broadcasts of the weight, ``panel / vec`` vector loads
     of the panel a step). x is packed into panels first, all of it, in parallel, by 16 x 16
-    transposes. The rule calls it with one panel of x (``gemm_variant``); an M past that would
-    run the panels one after the other in each task."""
+    transposes. The rule calls it with one panel of x, or two for "swap2" (``gemm_variant``),
+    which each task runs one after the other."""
     a_pad, acc, out = sch.get_sblock("A_pad"), sch.get_sblock("acc"), sch.get_sblock("out")
     epi = sch.get_sblock("epi")
     sch.compute_inline(sch.get_sblock("B_pad"))  # the weight, read in place (rows clamped)
