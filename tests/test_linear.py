@@ -385,6 +385,20 @@ def test_linear_swap2_serves_the_chosen_kernel(monkeypatch, setting):
     assert variant_choice.chosen_variant(spec) is None  # forgotten with the table
 
 
+def test_swap2_keeps_the_packed_kernel_for_a_weight_too_large_to_time(monkeypatch):
+    from torch_tvm_gemm.runtime import table, variant_choice
+
+    monkeypatch.setenv(variant_choice.ENV_SWAP2, "auto")
+    monkeypatch.setattr(variant_choice, "MAX_MEASURED_BYTES", 0)
+    monkeypatch.setattr(variant_choice, "_time_pair", None)  # (would raise if called)
+    x, w = randn(124, 16), randn(cpu_schedules.SWAP2_MIN_N, 16)
+    table.clear_table()
+    torch.testing.assert_close(tg.linear(x, w), x @ w.T, **tolerance(torch.float32, 16))
+    spec = next(spec for spec in table._table if spec.variant == "swap2")
+    assert variant_choice.chosen_variant(spec) == "gemm"
+    table.clear_table()
+
+
 def test_swap2_setting_is_checked(monkeypatch):
     from torch_tvm_gemm.runtime import table, variant_choice
 

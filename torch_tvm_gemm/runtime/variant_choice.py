@@ -10,8 +10,9 @@ in turn on inputs of that shape, and the faster one serves the spec from then on
 kernel keeps the spec unless the swap kernel is ahead by more than ``MARGIN`` (timing noise).
 Both compute each output as the same sum in the same order.
 
-``TVM_GEMM_SWAP2``: ``auto`` (default) measures; ``1`` always takes the swap kernel, ``0`` the
-packed one (tests, or a machine too busy to measure on).
+``TVM_GEMM_SWAP2``: ``auto`` (default) measures (weights up to ``MAX_MEASURED_BYTES``; larger
+ones keep the packed kernel); ``1`` always takes the swap kernel, ``0`` the packed one (tests,
+or a machine too busy to measure on).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ ROUNDS = 10  # timing rounds, the two kernels in turn; the best round of each co
 ROUND_SECONDS = 2e-3  # each round calls a kernel at least this long
 MEASURE_SECONDS, MIN_ROUNDS = 0.3, 3  # fewer rounds for long calls (a 100 ms product: 3)
 RING_BYTES, RING_MAX = 32 << 20, 8  # the weights cycled through while timing (see _time_pair)
+# The timing allocates a weight of the spec's shape; past this size (fp32: LLaMA-7B's 32000 x
+# 4096 head, 0.5 GB, where the swap kernel gained 3-4%) the packed kernel serves unmeasured.
+MAX_MEASURED_BYTES = 256 << 20
 _choices: dict[Any, str] = {}  # spec -> the variant whose kernel serves it (for tests, reports)
 
 
@@ -56,6 +60,8 @@ def choose(spec, load: Callable[[Any], Any], get_kernel: Callable[[Any], Any]) -
         fn, variant = get_kernel(packed_spec), "gemm"
     elif setting == "1":
         fn, variant = load(spec), spec.variant
+    elif spec.n * spec.k * 4 > MAX_MEASURED_BYTES:  # (timing needs a weight of its own)
+        fn, variant = get_kernel(packed_spec), "gemm"
     else:
         own, packed = load(spec), get_kernel(packed_spec)
         own_s, packed_s = _time_pair(spec, own, packed)
