@@ -139,6 +139,22 @@ def test_conv_bn_relu_folds_in_eval_mode():
     assert not any(isinstance(m, nn.BatchNorm2d) for m in gm.modules())
 
 
+def test_folded_conv_bn_compiles_whole_and_sees_new_weights():
+    # Under torch.compile the fold is part of the graph: no graph break at the folded conv
+    # (fullgraph=True), and the graph folds the tensors as they are at each call, also after
+    # a write that torch does not count (through .data), which the eager path needs refold()
+    # to see.
+    conv, norm = nn.Conv2d(3, 8, 3, padding=1), bn(8).eval()
+    x = randn(2, 3, 10, 9)
+    converted = tg.convert(nn.Sequential(conv, norm, nn.ReLU()).eval())
+    compiled = torch.compile(converted, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert_close(compiled(x), F.relu(norm(conv(x))), k=27)
+        conv.weight.data.mul_(-0.5)  # (the folded conv reads the model's own conv and BN)
+        norm.running_var.data.add_(1.0)
+        assert_close(compiled(x), F.relu(norm(conv(x))), k=27)
+
+
 def test_conv_bn_relu_in_training_mode_is_skipped():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), bn(8), nn.ReLU()).train()
     gm, summary = tg.fuse_conv_bias_relu(model)

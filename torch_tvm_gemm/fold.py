@@ -7,7 +7,9 @@ a ``state_dict``); the folded weight and bias are recomputed whenever one of the
 changes through torch (``load_state_dict``, an optimizer step, ``copy_``, ``.to()``: each
 bumps the tensor's version). A write that torch does not count (through ``tensor.data`` or a
 numpy view of it) is not seen: call ``refold()`` after one. (Folding at every call instead
-would cost a pass over the weight per call, as much as the conv's own pack.) With gradients
+would cost a pass over the weight per call, as much as the conv's own pack.) Under
+``torch.compile`` the fold is part of the graph, computed at every call (inductor fuses it
+into one pass over the weight). With gradients
 wanted the fold is done with autograd on every call, so the
 gradients reach the conv's and BN's own parameters; a BN switched back to training mode runs
 as plain torch ops.
@@ -72,6 +74,12 @@ class TVMConv2dBN(nn.Module):
         tensors = self._tensors()
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return fold_conv_bn(conv, bn)  # differentiable, every call
+        if torch.compiler.is_compiling():
+            # Traced, the fold is part of the graph: dynamo cannot trace the version check
+            # below (a graph break at every folded conv, an error under fullgraph=True), and
+            # a kept fold would not see the weights change between calls of the graph.
+            weight, bias = fold_conv_bn(conv, bn)
+            return weight.contiguous(), bias.contiguous()
         try:
             key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
         except RuntimeError:  # inference tensors have no version: fold every time
