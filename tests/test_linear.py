@@ -12,6 +12,7 @@ from conftest import DTYPES, assert_close, randn, tolerance
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.ops.gemm_ops import gemm_spec
+from torch_tvm_gemm.runtime import cache
 from torch_tvm_gemm.schedules import cpu as cpu_schedules
 from torch_tvm_gemm.schedules import cpu_tile_store
 from torch_tvm_gemm.schedules.cpu import gemm_variant
@@ -395,6 +396,26 @@ def test_swap2_keeps_the_packed_kernel_for_a_weight_too_large_to_time(monkeypatc
     table.clear_table()
     torch.testing.assert_close(tg.linear(x, w), x @ w.T, **tolerance(torch.float32, 16))
     spec = next(spec for spec in table._table if spec.variant == "swap2")
+    assert variant_choice.chosen_variant(spec) == "gemm"
+    table.clear_table()
+
+
+def test_swap2_in_a_cache_only_process_takes_the_kernel_it_has(monkeypatch):
+    # TVM_GEMM_NO_COMPILE=1 with only the packed kernel cached (a cache filled before this
+    # variant existed): that kernel serves, unmeasured, instead of a missing-kernel error.
+    from torch_tvm_gemm.runtime import table, variant_choice
+
+    monkeypatch.setenv(variant_choice.ENV_SWAP2, "auto")
+    monkeypatch.setattr(variant_choice, "_time_pair", None)  # (would raise if called)
+    n, k = cpu_schedules.SWAP2_MIN_N + 11, 23
+    x, w = randn(126, k), randn(n, k)
+    spec = gemm_spec("float32", 126, n, k, "nk")
+    assert spec.variant == "swap2"
+    cache.kernel_path(spec).unlink(missing_ok=True)
+    table.get_kernel(dataclasses.replace(spec, variant="gemm"))  # built and cached
+    monkeypatch.setenv("TVM_GEMM_NO_COMPILE", "1")
+    table.clear_table()
+    torch.testing.assert_close(tg.linear(x, w), x @ w.T, **tolerance(torch.float32, k))
     assert variant_choice.chosen_variant(spec) == "gemm"
     table.clear_table()
 

@@ -63,11 +63,28 @@ def choose(spec, load: Callable[[Any], Any], get_kernel: Callable[[Any], Any]) -
     elif spec.n * spec.k * 4 > MAX_MEASURED_BYTES:  # (timing needs a weight of its own)
         fn, variant = get_kernel(packed_spec), "gemm"
     else:
-        own, packed = load(spec), get_kernel(packed_spec)
-        own_s, packed_s = _time_pair(spec, own, packed)
-        fn, variant = (own, spec.variant) if own_s < (1 - MARGIN) * packed_s else (packed, "gemm")
+        own, packed = _cached(load, spec), _cached(get_kernel, packed_spec)
+        if own is None and packed is None:
+            load(spec)  # raises: neither kernel is in the cache
+        if own is None or packed is None:  # a cache-only process: the one it has
+            fn, variant = (own, spec.variant) if packed is None else (packed, "gemm")
+        else:
+            own_s, packed_s = _time_pair(spec, own, packed)
+            faster = own_s < (1 - MARGIN) * packed_s
+            fn, variant = (own, spec.variant) if faster else (packed, "gemm")
     _choices[spec] = variant
     return fn
+
+
+def _cached(load: Callable[[Any], Any], spec) -> Any:
+    """``load(spec)``, or None where kernels come from the cache only
+    (``TVM_GEMM_NO_COMPILE``) and this one is not there."""
+    from .cache import KernelNotCachedError
+
+    try:
+        return load(spec)
+    except KernelNotCachedError:
+        return None
 
 
 def chosen_variant(spec) -> str | None:
