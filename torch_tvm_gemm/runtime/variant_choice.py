@@ -8,7 +8,8 @@ whole 4-layer GPT-2 at batch 1), on another of the same family (2.0 GHz) it lost
 So at the first use of each such spec in a process both kernels are loaded (or built), timed
 in turn on inputs of that shape, and the faster one serves the spec from then on. The packed
 kernel keeps the spec unless the swap kernel is ahead by more than ``MARGIN`` (timing noise).
-Both compute each output as the same sum in the same order.
+Both compute each output as the same sum in the same order. A process that may not compile
+(``TVM_GEMM_NO_COMPILE``) takes whichever of the two the cache holds.
 
 ``TVM_GEMM_SWAP2``: ``auto`` (default) measures (weights up to ``MAX_MEASURED_BYTES``; larger
 ones keep the packed kernel); ``1`` always takes the swap kernel, ``0`` the packed one (tests,
