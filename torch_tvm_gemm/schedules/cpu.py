@@ -87,6 +87,7 @@ DOT2_TILE = (2, 10)
 SWAP_PANEL = 64
 SWAP_SLACK = 8
 SWAP_MIN_M, SWAP_MAX_M = SWAP_PANEL - SWAP_SLACK, SWAP_PANEL
+SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 # "swap2": M within SWAP_SLACK rows of two panels, N >= SWAP2_MIN_N, K <= swap_max_k. Where
 # the weight is re-read from memory, as in a model, the swap kernel's in-place reads of it lose
 # at BERT's and LLaMA's layer widths (kernels alone, 2 threads, this Intel Xeon, packed / swap:
@@ -95,7 +96,6 @@ SWAP_MIN_M, SWAP_MAX_M = SWAP_PANEL - SWAP_SLACK, SWAP_PANEL
 # 16384..50257, K = 768..4096.
 SWAP2_MIN_M, SWAP2_MAX_M = 2 * SWAP_PANEL - SWAP_SLACK, 2 * SWAP_PANEL
 SWAP2_MIN_N = 16384
-SWAP_TILE = (6, 8)  # columns of the result per register tile (6 x 64 accumulators), tiles per task
 # The one-panel swap variants: the swap kernel for M within SWAP_SLACK rows of one panel of 32
 # or 48 rows of x, its tile the panel's rows by 12 / 8 columns of the result (24 accumulators:
 # 12 broadcasts of the weight and 2 vector loads of the panel, or 8 and 3, a step), where the
