@@ -74,10 +74,39 @@ def test_pointwise_as_gemm(case, dtype, with_bias, relu):
     y = tg.conv2d_bias_relu(x, wt, b, relu=relu)
     assert y.dtype == dtype and y.is_contiguous()
     assert_close(y, reference(x, wt, b, relu=relu), k=c)
-    # channels_last input, a non-contiguous weight view: the same numbers
+    # channels_last input (one GEMM over all pixels), a non-contiguous weight view
     x_cl = x.to(memory_format=torch.channels_last)
     wt_t = wt.transpose(0, 1).contiguous().transpose(0, 1)
-    assert torch.equal(tg.conv2d_bias_relu(x_cl, wt_t, b, relu=relu), y)
+    y_cl = tg.conv2d_bias_relu(x_cl, wt_t, b, relu=relu)
+    assert y_cl.is_contiguous(memory_format=torch.channels_last)
+    assert_close(y_cl, y, k=c)
+
+
+@pytest.mark.parametrize(
+    "c, k, r, kwargs, act",
+    [
+        (24, 40, 1, {}, "relu"),  # one GEMM over the pixels
+        (24, 40, 1, {"stride": 2}, "none"),  # the pixels it reads, then the same
+        (16, 32, 1, {"stride": 2, "groups": 2}, "relu"),  # those pixels, the grouped kernel
+        (24, 40, 1, {}, "hardswish"),  # an activation the GEMM lacks: after it, in place
+        (6, 8, 3, {"padding": 1}, "relu"),  # the NCHW kernel, its output copied
+        (8, 8, 3, {"padding": 1, "groups": 8}, "relu6"),  # depthwise
+    ],
+    ids=["1x1", "1x1-stride2", "1x1-stride2-groups2", "1x1-hardswish", "3x3", "depthwise"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_channels_last_in_channels_last_out(c, k, r, kwargs, act, dtype):
+    # As F.conv2d: a channels_last input gives a channels_last output, whatever the route.
+    x = randn(2, c, 9, 11, dtype=dtype).to(memory_format=torch.channels_last)
+    groups = kwargs.get("groups", 1)
+    w, b = randn(k, c // groups, r, r, dtype=dtype), randn(k, dtype=dtype)
+    y = tg.conv2d_bias_relu(x, w, b, activation=act, **kwargs)
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    want = tg.conv2d_bias_relu(x.contiguous(), w, b, activation=act, **kwargs)
+    assert want.is_contiguous()
+    assert_close(y, want, k=c // groups * r * r)
+    args = (x, w, b, [kwargs.get("stride", 1)] * 2, [kwargs.get("padding", 0)] * 2, [1, 1])
+    torch.library.opcheck(op, (*args, groups, True, act))  # the fake kernel's strides too
 
 
 @pytest.mark.parametrize(
