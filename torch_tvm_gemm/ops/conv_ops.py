@@ -169,7 +169,7 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     """The CPU conv of a channels_last ``x``, its output channels_last. A 1x1 conv is then one
     GEMM over all pixels, ``(N*H*W, C) @ W^T``, on x as it lies and straight into the output
     (no copy either side; measured, 2 threads, Intel Xeon, against oneDNN's channels_last
-    conv: 1.06-1.33x at ResNet-50's 1x1 shapes at batch 8, where the NCHW routes ran at
+    conv: 0.93-1.25x at ResNet-50's 1x1 shapes at batch 8, where the NCHW routes ran at
     0.42-0.87x); a strided one on a channels_last copy of the pixels it reads. Other convs run
     the NCHW kernel and their output is copied to channels_last."""
     n, _, out_h, out_w = shape
