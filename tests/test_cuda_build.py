@@ -685,9 +685,6 @@ def test_conv_cuda_impl_host_logic_on_cpu(monkeypatch, channels_last):
     monkeypatch.setattr(conv_ops, "get_kernel", cpu_kernel)
     monkeypatch.setattr(conv_ops, "check_cuda_arch", lambda x: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(
-        conv_ops, "_cuda_channels_last", lambda x: channels_last and not x.is_contiguous()
-    )
     x, w, b = torch.randn(3, 6, 11, 9), torch.randn(10, 6, 3, 3), torch.randn(10)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)

@@ -74,7 +74,7 @@ def precompile(
     start = time.perf_counter()
     # (A variant chosen by a measurement at first use needs each of its candidate kernels.)
     planned = model_kernels(model, example_inputs, example_kwargs or {})
-    specs = list(dict.fromkeys(c for spec in planned for c in variant_choice.candidates(spec)))
+    specs = variant_choice.with_candidates(planned)
     ready = sum(has_kernel(spec) for spec in specs)
     built = precompile_specs(specs, workers)
     return PrecompileSummary(

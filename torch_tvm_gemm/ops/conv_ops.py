@@ -155,14 +155,14 @@ def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, 
     return found
 
 
-def channels_last_output(x: Tensor) -> bool:
-    """Whether the op's output is channels_last (the impls and the fake kernel): for a
-    channels_last ``x``, as ``F.conv2d`` does (an ``x`` that is both, one channel or one
-    pixel, counts as contiguous)."""
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=CL)
-
-
 CL = torch.channels_last
+
+
+def channels_last_output(x: Tensor) -> bool:
+    """Whether the op's output is channels_last (the CPU and CUDA impls and the fake kernel):
+    for a channels_last ``x``, as ``F.conv2d`` does (an ``x`` that is both, one channel or
+    one pixel, counts as contiguous)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=CL)
 
 
 def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tensor:
@@ -180,11 +180,7 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
         k, c = weight.shape[:2]
         pixels = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view: x is channels_last
         out = output_pool.empty((n * out_h * out_w, k), x.dtype, x.device)
-        act = spec.activation
-        fused = act if act in GEMM_ACTIVATIONS else "none"
-        gemm(pixels, weight.reshape(k, c), "nk", bias, fused, out=out)
-        if fused != act:
-            _activate_inplace(act, out)
+        _gemm_activated(pixels, weight.reshape(k, c), "nk", bias, spec.activation, out, "n")
         return out.view(n, out_h, out_w, k).permute(0, 3, 1, 2)
     y = _conv2d_impl(
         x.contiguous(),
@@ -247,19 +243,23 @@ def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor
 
 
 def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, out: Tensor):
-    """``out[n] = act(w @ pixels[n] + bias[:, None])`` for each image n.
-
-    An activation the GEMM kernel lacks (relu6, hardswish, leaky_relu) is torch's, in place
-    on each image's output while it is in cache: the GEMM kernel is what makes these convs
-    fast (1.5-2x the blocked conv kernel), the extra pass costs little."""
+    """``out[n] = act(w @ pixels[n] + bias[:, None])`` for each image n."""
     n, k = pixels.shape[0], w.shape[0]
     dest = out.view(n, k, -1)
-    fused = act if act in GEMM_ACTIVATIONS else "none"
     for i in range(n):
-        gemm(w, pixels[i], "kn", bias, fused, out=dest[i], bias_axis="m")
-        if fused != act:
-            _activate_inplace(act, dest[i])
+        _gemm_activated(w, pixels[i], "kn", bias, act, dest[i], "m")
     return out
+
+
+def _gemm_activated(a, b, b_layout: str, bias, act: str, out: Tensor, bias_axis: str) -> None:
+    """``out = act(a @ B + bias)`` by the GEMM kernel. An activation the GEMM kernel lacks
+    (relu6, hardswish, leaky_relu) is torch's, in place on the output while it is in cache:
+    the GEMM kernel is what makes these convs fast (1.5-2x the blocked conv kernel), the
+    extra pass costs little."""
+    fused = act if act in GEMM_ACTIVATIONS else "none"
+    gemm(a, b, b_layout, bias, fused, out=out, bias_axis=bias_axis)
+    if fused != act:
+        _activate_inplace(act, out)
 
 
 def _activate_inplace(act: str, t: Tensor) -> None:
@@ -308,16 +308,6 @@ LIB.impl(CONV, _conv2d_impl, "CPU")
 # a contiguous x is permuted to NHWC first and the output copied back to contiguous NCHW.
 
 
-def _cuda_channels_last(x: Tensor) -> bool:
-    """Whether the CUDA impl returns a channels_last output for ``x`` (the fake kernel too)."""
-    return (
-        x.is_cuda
-        and x.dim() == 4
-        and not x.is_contiguous()
-        and x.is_contiguous(memory_format=torch.channels_last)
-    )
-
-
 def _conv2d_cuda_impl(
     x: Tensor,
     weight: Tensor,
@@ -348,7 +338,7 @@ def _conv2d_cuda_impl(
             f"tvm_gemm.{CONV}: CUDA kernels index in 32 bits; x {tuple(x.shape)} with weight "
             f"{tuple(weight.shape)} has a tensor of 2**31 elements or more (split the batch)"
         )
-    channels_last = _cuda_channels_last(x)
+    channels_last = channels_last_output(x)
     # The kernel writes NHWC: ``nhwc`` is its output, ``out`` the same memory as N, K, OH, OW.
     nhwc = torch.empty((n, oh, ow, k), dtype=x.dtype, device=x.device)
     out = nhwc.permute(0, 3, 1, 2)
@@ -386,9 +376,8 @@ def _conv2d_fake(
 ) -> Tensor:
     shape = check_conv2d(x, weight, bias, stride, padding, dilation, groups)
     conv_activation(relu, activation)
-    if _cuda_channels_last(x) or (x.device.type == "cpu" and channels_last_output(x)):
-        # (Tensor.new_empty takes no memory_format)
-        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    if channels_last_output(x):  # (Tensor.new_empty takes no memory_format)
+        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=CL)
     return x.new_empty(shape)
 
 

@@ -27,7 +27,7 @@ def precompile_specs(specs: Iterable, workers: int | None = None) -> int:
     ``KernelBuildError`` names each failed kernel and its error (``.errors``: name ->
     exception) once the others are ready.
     """
-    unique = list(dict.fromkeys(c for spec in specs for c in variant_choice.candidates(spec)))
+    unique = variant_choice.with_candidates(specs)
     if not unique:
         return 0
     if workers is not None and workers < 1:

@@ -19,8 +19,8 @@ or a machine too busy to measure on).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +40,11 @@ _choices: dict[Any, str] = {}  # spec -> the variant whose kernel serves it (for
 def measured(spec) -> bool:
     """Whether ``spec``'s kernel is chosen by a measurement (a GEMM spec of such a variant)."""
     return getattr(spec, "variant", None) in MEASURED_VARIANTS
+
+
+def with_candidates(specs) -> list:
+    """``specs`` with every candidate kernel's spec of each, once, in order."""
+    return list(dict.fromkeys(c for spec in specs for c in candidates(spec)))
 
 
 def candidates(spec) -> list:
@@ -103,6 +108,7 @@ def _time_pair(spec, first, second) -> tuple[float, float]:
     largest), timed in alternating rounds."""
     import torch
 
+    from ..measure import mean_call, median_call, time_interleaved
     from ..schedules.cpu import SWAP2_MAX_M
 
     m, dtype = SWAP2_MAX_M, getattr(torch, spec.dtype)
@@ -114,21 +120,16 @@ def _time_pair(spec, first, second) -> tuple[float, float]:
     weight_bytes = spec.n * spec.k * torch.finfo(dtype).bits // 8
     ring = max(1, min(RING_MAX, -(-RING_BYTES // weight_bytes)))
     x = torch.full((m, spec.k), 0.5, dtype=dtype)
-    ws = [torch.full((spec.n, spec.k), 0.25, dtype=dtype) for _ in range(ring)]
+    weights = itertools.cycle(
+        [torch.full((spec.n, spec.k), 0.25, dtype=dtype) for _ in range(ring)]
+    )
     bias = [torch.full((spec.n,), 1.0, dtype=dtype)] if spec.bias else []
     out = torch.empty(m, spec.n, dtype=dtype)
-    once = 0.0
-    for fn in (first, second):  # warm up; the slower one sets the calls per round
-        start = time.perf_counter()
-        fn(x, ws[0], *bias, out)
-        once = max(once, time.perf_counter() - start, 1e-9)
-    calls = max(ring, -(-int(ROUND_SECONDS / once) // ring) * ring)
-    rounds = max(MIN_ROUNDS, min(ROUNDS, int(MEASURE_SECONDS / (2 * calls * once))))
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for i, fn in enumerate((first, second)):
-            start = time.perf_counter()
-            for call in range(calls):
-                fn(x, ws[call % ring], *bias, out)
-            best[i] = min(best[i], (time.perf_counter() - start) / calls)
-    return best[0], best[1]
+    calls = [lambda fn=fn: fn(x, next(weights), *bias, out) for fn in (first, second)]
+    once = max(median_call(call, calls=1) for call in calls)  # (after a warm-up call each)
+    per_round = max(ring, int(ROUND_SECONDS / max(once, 1e-9)) + 1)
+    rounds = max(MIN_ROUNDS, min(ROUNDS, int(MEASURE_SECONDS / (2 * per_round * once))))
+    first_s, second_s = time_interleaved(
+        calls, rounds, sample=lambda call: mean_call(call, per_round), warm_up=False
+    )
+    return first_s, second_s
