@@ -74,7 +74,7 @@ class TVMConv2dBN(nn.Module):
         tensors = self._tensors()
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return fold_conv_bn(conv, bn)  # differentiable, every call
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # Traced, the fold is part of the graph: dynamo cannot trace the version check
             # below (a graph break at every folded conv, an error under fullgraph=True), and
             # a kept fold would not see the weights change between calls of the graph.
