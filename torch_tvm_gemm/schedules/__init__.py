@@ -2,7 +2,7 @@
 
 | family | cpu | cuda |
 |---|---|---|
-| gemm | ``cpu.schedule_gemm`` (bf16 on AMX: ``cpu_amx``) | ``cuda.schedule_gemm`` (mma.sync / WMMA / TF32 / SIMT) |
+| gemm | ``cpu.schedule_gemm`` (bf16 on AMX: ``cpu_amx``, on AVX512-BF16: ``cpu_avx512_bf16``) | ``cuda.schedule_gemm`` (mma.sync / WMMA / TF32 / SIMT) |
 | conv2d | ``cpu_conv2d.schedule_conv2d`` (depthwise: ``cpu_depthwise``; bf16 on AMX: ``cpu_amx_conv``) | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
 
 ``cuda_intrin`` holds the tensor-core intrinsics, ``cuda_wgmma`` the Hopper TMA + wgmma
@@ -15,7 +15,17 @@ The modules import ``tvm`` only inside their functions: importing them here is c
 
 from __future__ import annotations
 
-from . import cpu, cpu_amx, cpu_amx_conv, cpu_conv2d, cpu_depthwise, cpu_gemv, cuda, cuda_conv2d
+from . import (
+    cpu,
+    cpu_amx,
+    cpu_amx_conv,
+    cpu_avx512_bf16,
+    cpu_conv2d,
+    cpu_depthwise,
+    cpu_gemv,
+    cuda,
+    cuda_conv2d,
+)
 
 _MODULES = {
     ("gemm", "cpu"): cpu,
@@ -40,6 +50,11 @@ def version(family: str, device: str) -> int | tuple[int, ...]:
     if (family, device) == ("conv2d", "cpu"):  # its depthwise and AMX kernels: own modules
         versions = (cpu_conv2d.SCHEDULE_VERSION, cpu_depthwise.SCHEDULE_VERSION)
         return versions + (cpu_amx_conv.SCHEDULE_VERSION,)
-    if (family, device) == ("gemm", "cpu"):  # its bf16 kernels on AMX tiles, its fp32 gemv
-        return (cpu.SCHEDULE_VERSION, cpu_amx.SCHEDULE_VERSION, cpu_gemv.SCHEDULE_VERSION)
+    if (family, device) == ("gemm", "cpu"):  # its bf16 kernels (AMX, vdpbf16ps), fp32 gemv
+        return (
+            cpu.SCHEDULE_VERSION,
+            cpu_amx.SCHEDULE_VERSION,
+            cpu_gemv.SCHEDULE_VERSION,
+            cpu_avx512_bf16.SCHEDULE_VERSION,
+        )
     return module(family, device).SCHEDULE_VERSION

@@ -43,7 +43,7 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
+from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
 SCHEDULE_VERSION = 33  # bump when a schedule changes the binary: it is part of the cache key
@@ -248,6 +248,8 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     cpu = cpu or host_cpu()
     if cpu_amx.applies(spec, cpu):
         return cpu_amx.schedule_gemm_amx(spec)
+    if cpu_avx512_bf16.applies(spec, cpu):
+        return cpu_avx512_bf16.schedule_gemm_dp(spec)
     mr, nr, vec = register_tile(spec, cpu)
     kc = k_chunk(spec, cpu)
     if kc is not None:

@@ -232,7 +232,7 @@ def tile_gemm_kblocked(T, tirx, M, N, K: int, b_words, finish, fill_steps, in_pl
             first = kb * K_BLOCK_STEPS
             count = tirx.min(i64(K_BLOCK_STEPS), steps - first)
             for g in range(group):
-                _pack_nk(T, tirx, b_words, b_pairs, g * block_words, panel_of(task, g), i64(K),
+                pack_nk(T, tirx, b_words, b_pairs, g * block_words, panel_of(task, g), i64(K),
                          N, steps, first, count)  # fmt: skip
 
             def copied(step, half):
@@ -309,7 +309,7 @@ def _amx_dot_func(spec: GemmSpec):
             x_words = T.decl_buffer((M * (K // 2),), "float32", data=A.data)
             x_pairs = T.alloc_buffer((x_blocks * panel_words,), "float32", align=64)
             with T.serial(i64(0), x_blocks) as xb:
-                _pack_nk(T, tirx, x_words, x_pairs, xb * panel_words, xb, i64(K), M, steps)
+                pack_nk(T, tirx, x_words, x_pairs, xb * panel_words, xb, i64(K), M, steps)
             w_words = T.decl_buffer((N * K,), "uint16", data=B.data)
 
             def finish(row, col, value):
@@ -445,12 +445,12 @@ def tile_gemm(T, tirx, M, N, K, B, nk: bool, finish, fill_block=None, direct=Non
             offset = None if entry is None else entry * (N * (K // 2))  # (entry's matrix)
             b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data, elem_offset=offset)
             for g in range(group):
-                _pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel_of(task, g), K, N, steps)
+                pack_nk(T, tirx, b_words, b_pairs, g * panel_words, panel_of(task, g), K, N, steps)
         else:
             offset = None if entry is None else entry * (K * N)
             b_words = T.decl_buffer((K * N,), "uint16", data=B.data, elem_offset=offset)
             b_pairs16 = T.decl_buffer((group * panel_words * 2,), "uint16", data=b_pairs.data)
-            _pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, panel_of, K, N,
+            pack_kn(T, tirx, b_words, b_pairs16, panel_words * 2, task, group, panel_of, K, N,
                      steps)  # fmt: skip
 
         def copied(step, half):  # (address, row stride) of a tile of the copied block
@@ -702,7 +702,7 @@ def _row(n, N):
     return n if isinstance(N, int) and N % BLOCK == 0 else tirx.min(n, N - 1)
 
 
-def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps, first=None, count=None):
+def pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps, first=None, count=None):
     """A weight (N, K), viewed as (N, K/2) 32-bit pairs, transposed for the panel's 32 rows:
     ``b_pairs[k2 * 32 + n] = pair (W[n, 2 k2], W[n, 2 k2 + 1])``; pairs past K zero.
     (The words are moved as float32 lanes: shuffles never change the bits.) ``first`` and
@@ -732,7 +732,7 @@ def _pack_nk(T, tirx, b_words, b_pairs, base, panel, K, N, steps, first=None, co
             T.buffer_store(b_pairs, value, [base + k2 * BLOCK + n])
 
 
-def _pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, panel_of, K, N, steps):
+def pack_kn(T, tirx, b_words, b_pairs16, panel_size, task, group, panel_of, K, N, steps):
     """B (K, N): rows 2 k2 and 2 k2 + 1 of each of the task's panels (32 columns)
     interleaved, ``b_pairs16[g * panel_size + (k2 * 32 + n) * 2 + j] = B[2 k2 + j, n]``; rows
     past K zero. The group's panels side by side in one pass: each row of B is read as one
