@@ -349,12 +349,13 @@ def test_nhwc_conv_on_tiles(r, stride, padding, dilation, act):
     in the padding read as zero, every activation, an output size not a multiple of 32."""
     from torch_tvm_gemm import ops
     from torch_tvm_gemm.kernels.conv2d import torch_activation as conv_activation
-    from torch_tvm_gemm.schedules.cpu_conv2d import nhwc_on_tiles
+    from torch_tvm_gemm.schedules import cpu_amx_conv
+    from torch_tvm_gemm.schedules.cpu_conv2d import nhwc_kernel
 
     x, w = randn(2, 64, 11, 9, dtype=BF16), randn(40, 64, r, r, dtype=BF16)
     b = randn(40, dtype=BF16)
     geometry = ((stride,) * 2, (padding,) * 2, (dilation,) * 2, 1)
-    assert nhwc_on_tiles(ops.conv2d_spec(x, w, b, *geometry, False, None, act))
+    assert nhwc_kernel(ops.conv2d_spec(x, w, b, *geometry, False, None, act)) is cpu_amx_conv
     y = torch.ops.tvm_gemm.conv2d_bias_relu(x, w, b, *geometry, False, act)
     expected = F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation)
     assert y.shape == expected.shape and y.is_contiguous()

@@ -1,9 +1,9 @@
-"""The bf16 GEMM on AVX512-BF16's vdpbf16ps (schedules/cpu_avx512_bf16.py): which specs take
-it, every M, N and K edge, both B layouts, per-row and per-column bias, epilogues, NaN, and
-the code it compiles to. The kernels are built from the schedule directly, so they run on
-any CPU with AVX512-BF16 (AMX CPUs have it too, though their ops take the tiles); the tests
-through the ops need a CPU where the ops choose this kernel (AVX512-BF16 and no AMX: AMD
-Zen 4 / 5)."""
+"""The bf16 GEMM and conv on AVX512-BF16's vdpbf16ps (schedules/cpu_avx512_bf16.py and
+cpu_avx512_bf16_conv.py): which specs take them, every M, N and K edge, both B layouts,
+per-row and per-column bias, epilogues, NaN, conv geometries, and the code they compile to.
+The kernels are built from the schedules directly, so they run on any CPU with AVX512-BF16
+(AMX CPUs have it too, though their ops take the tiles); the tests through the ops need a
+CPU where the ops choose these kernels (AVX512-BF16 and no AMX: AMD Zen 4 / 5)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_nan_stays_in_its_row():
 
 
 @pytest.mark.skipif(
-    not cpu_avx512_bf16.applies(gemm_spec("bfloat16", 128, 64, 64, "nk"), CPU),
+    not cpu_avx512_bf16.available(CPU),
     reason="the ops take this kernel on a CPU with AVX512-BF16 and no AMX",
 )
 def test_through_the_ops_against_torch_bf16():
@@ -148,3 +148,75 @@ def test_through_the_ops_against_torch_bf16():
     ours, theirs = tg.linear(x, w, b, "none").float(), F.linear(x, w, b).float()
     ulp = theirs.abs().clamp_min(1e-30) * 2.0**-7
     assert ((ours - theirs).abs() <= ulp).float().mean() > 0.99
+
+
+def test_which_convs_take_it():
+    from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
+    from torch_tvm_gemm.schedules import cpu_avx512_bf16_conv
+    from torch_tvm_gemm.schedules.cpu_conv2d import nhwc_kernel, pointwise_as_gemm
+
+    conv3x3 = Conv2dSpec("bfloat16", 64, 64, 3, 3, 56, 56, padding=(1, 1))
+    assert nhwc_kernel(conv3x3, ZEN5) is cpu_avx512_bf16_conv
+    # a 1x1 conv is a GEMM per image (on the GEMM above); an odd C (RGB), a grouped conv, a
+    # CPU without the extension: the conv kernel
+    pointwise = dataclasses.replace(conv3x3, r=1, s=1, padding=(0, 0))
+    assert pointwise_as_gemm(pointwise, ZEN5) and nhwc_kernel(pointwise, ZEN5) is None
+    assert nhwc_kernel(dataclasses.replace(conv3x3, c=3), ZEN5) is None
+    assert nhwc_kernel(dataclasses.replace(conv3x3, groups=2), ZEN5) is None
+    plain = dataclasses.replace(ZEN5, features=ZEN5.features - {"avx512_bf16"})
+    assert nhwc_kernel(conv3x3, plain) is None
+
+
+@functools.cache
+def conv_kernel(spec):
+    import tvm
+
+    from torch_tvm_gemm.compiler.build import llvm_target_json
+    from torch_tvm_gemm.schedules import cpu_avx512_bf16_conv
+
+    mod = cpu_avx512_bf16_conv.schedule_conv2d_dp(spec)
+    return tvm.compile(mod, target=tvm.target.Target(llvm_target_json()))["main"]
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(
+    ("c", "r", "stride", "padding", "dilation", "act"),
+    [(32, 3, 1, 1, 1, "relu"), (16, 3, 2, 1, 1, "none"), (8, 5, 1, 2, 2, "silu"),
+     (34, 3, 1, 0, 1, "relu6"), (6, 1, 2, 0, 1, "hardswish"), (64, 7, 2, 3, 1, "relu")],
+)  # fmt: skip
+def test_conv_every_geometry(c, r, stride, padding, dilation, act):
+    """The implicit GEMM as ops/conv_ops.py runs it (NHWC input with a zero border of the
+    conv's padding, OHWI weight, NHWC output): strides, paddings, dilations, an output size
+    not a multiple of the 12-pixel tile, 40 filters (a partial panel)."""
+    from torch_tvm_gemm.kernels.conv2d import torch_activation as conv_activation
+    from torch_tvm_gemm.ops.conv_ops import conv2d_spec
+
+    x, w, b = randn(2, c, 11, 9, dtype=BF16), randn(40, c, r, r, dtype=BF16), randn(40, dtype=BF16)
+    geometry = ((stride,) * 2, (padding,) * 2, (dilation,) * 2, 1)
+    spec = conv2d_spec(x, w, b, *geometry, False, None, act)
+    x_nhwc = F.pad(x.permute(0, 2, 3, 1), (0, 0, padding, padding, padding, padding))
+    w_ohwi = w.permute(0, 2, 3, 1).reshape(40, -1).contiguous()
+    out = torch.empty(2 * spec.out_h * spec.out_w, 40, dtype=BF16)
+    conv_kernel(spec)(x_nhwc.contiguous(), w_ohwi, b, out)
+    y = out.view(2, spec.out_h, spec.out_w, 40).permute(0, 3, 1, 2)
+    expected = F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation)
+    assert_close(y, conv_activation(act)(expected), c * r * r)
+
+
+@pytest.mark.skipif(
+    not cpu_avx512_bf16.available(CPU),
+    reason="the ops take this kernel on a CPU with AVX512-BF16 and no AMX",
+)
+def test_conv_through_the_op_channels_last_too():
+    x, w, b = (
+        randn(2, 32, 10, 12, dtype=BF16),
+        randn(24, 32, 3, 3, dtype=BF16),
+        randn(24, dtype=BF16),
+    )
+    expected = F.relu(F.conv2d(x.float(), w.float(), b.float(), 1, 1))
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        y = torch.ops.tvm_gemm.conv2d_bias_relu(
+            x.contiguous(memory_format=memory_format), w, b, [1, 1], [1, 1], [1, 1], 1, True
+        )
+        assert y.is_contiguous(memory_format=memory_format)
+        assert_close(y, expected, 32 * 9)

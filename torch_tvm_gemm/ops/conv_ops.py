@@ -17,8 +17,7 @@ from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime import output_pool
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
-from ..schedules.cpu_amx_conv import input_padding
-from ..schedules.cpu_conv2d import nhwc_on_tiles, pointwise_as_gemm
+from ..schedules.cpu_conv2d import nhwc_kernel, pointwise_as_gemm
 from .checks import (
     CONV,
     DTYPE_NAMES,
@@ -127,7 +126,7 @@ _MAX_GEOMETRIES = 4096
 def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, activation):
     """(output shape, kernel spec, route) of a valid CPU call; raises the checks' errors for
     an invalid one. The route: "gemm" (a GEMM per image), "nhwc" (the bf16 AMX implicit
-    GEMM over channels-last pixels), "conv" (the conv kernel) or "subsample" (a strided 1x1
+    GEMM over channels-last pixels, on AMX tiles or vdpbf16ps), "conv" (the conv kernel) or "subsample" (a strided 1x1
     conv: the same conv, stride 1, on the pixels it reads)."""
     try:
         key = (
@@ -148,7 +147,7 @@ def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, 
     if strided_pointwise(spec):
         route = "subsample"
     else:
-        route = "gemm" if pointwise_as_gemm(spec) else "nhwc" if nhwc_on_tiles(spec) else "conv"
+        route = "gemm" if pointwise_as_gemm(spec) else "nhwc" if nhwc_kernel(spec) else "conv"
     found = (shape, spec, route)
     if key is not None and len(_GEOMETRIES) < _MAX_GEOMETRIES:
         _GEOMETRIES[key] = found
@@ -220,14 +219,14 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, ou
 
 
 def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
-    """The bf16 AMX implicit GEMM (``schedules/cpu_amx_conv.py``): an NHWC copy of x (none
-    for a channels_last x that needs no zero border), the weight as (K, R*S*C), the NHWC
-    result copied into ``out``."""
+    """The bf16 implicit GEMM (``schedules/cpu_amx_conv.py`` or ``cpu_avx512_bf16_conv.py``):
+    an NHWC copy of x (none for a channels_last x that needs no zero border), the weight as
+    (K, R*S*C), the NHWC result copied into ``out``."""
     kernel = get_kernel(spec)
     sync_threads()
     n, k = x.shape[0], weight.shape[0]
     x_nhwc = x.permute(0, 2, 3, 1)
-    padding = input_padding(spec)  # read by tile loads in place: zero borders around it
+    padding = nhwc_kernel(spec).input_padding(spec)  # read in place: zero borders around it
     if padding is not None:
         top, bottom, left, right = padding
         x_nhwc = torch.nn.functional.pad(x_nhwc, (0, 0, left, right, top, bottom))

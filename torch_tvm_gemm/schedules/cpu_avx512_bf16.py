@@ -24,6 +24,9 @@ bf16 (round to nearest even, as torch).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 from . import cpu_amx
@@ -55,6 +58,12 @@ def applies(spec: GemmSpec, cpu: CpuInfo) -> bool:
         return False
     if spec.batched or spec.k is None or spec.k % 2:
         return False
+    return available(cpu)
+
+
+def available(cpu: CpuInfo) -> bool:
+    """Whether bf16 GEMMs and convs run on vdpbf16ps here: AVX512-BF16 and no usable AMX
+    tiles (those run ``cpu_amx``)."""
     return "avx512_bf16" in cpu.features and cpu.arch == "x86_64" and not cpu.amx_bf16
 
 
@@ -65,19 +74,11 @@ def schedule_gemm_dp(spec: GemmSpec):
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    def i64(v):
-        return tirx.const(v, "int64")
-
-    nk = spec.b_layout == "nk"
-    N, K = spec.n, spec.k
-    half_k = K // 2
-    steps = -(-K // cpu_amx.K_STEP)  # the packs pad K to whole steps of 32 values
-    panel_words = steps * cpu_amx.TILE_ROWS * PANEL
-    panels = -(-N // PANEL)
+    half_k = spec.k // 2
     with IRBuilder() as ib:
         with T.prim_func():
             M, A, B, bias, out = cpu_amx.gemm_buffers(T, spec)
-            a_pairs = T.decl_buffer((M * half_k,), "int32", data=A.data)
+            a_words = T.decl_buffer((M * half_k,), "int32", data=A.data)
 
             def finish(row, col, value):
                 if spec.bias:
@@ -85,50 +86,80 @@ def schedule_gemm_dp(spec: GemmSpec):
                 value = apply_activation(value, spec.activation, "float32", "cpu")
                 T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
-            with T.attr(i64(0), "pragma_import_llvm", tvm.ir.StringImm(DOT_LLVM_IR)):
-                with T.parallel(i64(0), i64(panels)) as panel:
-                    b_pairs = T.alloc_buffer((panel_words,), "float32", align=64)
-                    if nk:
-                        b_words = T.decl_buffer((N * half_k,), "float32", data=B.data)
-                        cpu_amx.pack_nk(T, tirx, b_words, b_pairs, i64(0), panel, i64(K), N,
-                                        steps)  # fmt: skip
-                    else:
-                        b_halves = T.decl_buffer((K * N,), "uint16", data=B.data)
-                        pairs16 = T.decl_buffer((panel_words * 2,), "uint16", data=b_pairs.data)
-                        cpu_amx.pack_kn(T, tirx, b_halves, pairs16, panel_words, panel, 1,
-                                        lambda task, g: task, K, N, steps)  # fmt: skip
-                    b_words32 = T.decl_buffer((panel_words,), "int32", data=b_pairs.data)
-                    # One buffer a vector, in the "global" scope: TVM puts those under 1 KB
-                    # on the stack, where LLVM keeps them in registers; a "local" or larger
-                    # one is a heap workspace, and the loop stored every sum at every step.
-                    acc = [T.alloc_buffer((16,), "float32", align=64) for _ in range(2 * MR)]
-                    c_tile = T.alloc_buffer((MR * PANEL,), "float32", align=64)
-                    with T.serial(i64(0), (M + MR - 1) // MR) as block:
-                        _block_product(T, tirx, M, half_k, a_pairs, b_words32, acc, block)
-                        _block_epilogue(T, tirx, M, N, acc, c_tile, block, panel, finish)
+            taps = Taps(1, lambda tap: 0, half_k)  # one run of K/2 pairs a row
+            panel_gemm(T, tirx, M, spec.n, spec.k, B, spec.b_layout == "nk", a_words,
+                       lambda row: row * half_k, taps, finish)  # fmt: skip
     return tvm.IRModule({"main": ib.get()})
 
 
-def _block_product(T, tirx, M, half_k: int, a_pairs, b_words, acc, block) -> None:
-    """``acc`` (2 MR vectors, row r's columns in ``acc[2 r]`` and ``acc[2 r + 1]``) = the MR x 32 product of the block's rows of A (rows past M read row M - 1;
-    their sums are not stored) and the packed panel, over the real pairs of K only (past
-    them A's words belong to the next row: the panel's zero padding would not cancel a NaN)."""
+@dataclasses.dataclass(frozen=True)
+class Taps:
+    """How a row of A lies in memory: ``count`` runs of ``pairs`` 32-bit words (bf16 pairs),
+    run ``t`` at word ``offset(t)`` from the row's base; K = 2 x count x pairs. A matrix's
+    row is one run; a conv's row (an output pixel's patch) is a run of channels per filter
+    tap, read in place from the NHWC input."""
+
+    count: int
+    offset: Callable
+    pairs: int
+
+
+def panel_gemm(T, tirx, M, N: int, K: int, B, nk: bool, a_words, row_base, taps: Taps, finish):
+    """Inside ``T.prim_func()``: the GEMM of A (M rows, row ``p`` from word ``row_base(p)``
+    of ``a_words`` as ``taps`` says) and B (N, K) if ``nk`` else (K, N), its outputs through
+    ``finish(row, col, value)``; parallel over B's panels of 32 columns, each packed once."""
+    import tvm
+
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    steps = -(-K // cpu_amx.K_STEP)  # the packs pad K to whole steps of 32 values
+    panel_words = steps * cpu_amx.TILE_ROWS * PANEL
+    with T.attr(i64(0), "pragma_import_llvm", tvm.ir.StringImm(DOT_LLVM_IR)):
+        with T.parallel(i64(0), i64(-(-N // PANEL))) as panel:
+            b_pairs = T.alloc_buffer((panel_words,), "float32", align=64)
+            if nk:
+                b_words = T.decl_buffer((N * (K // 2),), "float32", data=B.data)
+                cpu_amx.pack_nk(T, tirx, b_words, b_pairs, i64(0), panel, i64(K), N, steps)
+            else:
+                b_halves = T.decl_buffer((K * N,), "uint16", data=B.data)
+                pairs16 = T.decl_buffer((panel_words * 2,), "uint16", data=b_pairs.data)
+                cpu_amx.pack_kn(T, tirx, b_halves, pairs16, panel_words, panel, 1,
+                                lambda task, g: task, K, N, steps)  # fmt: skip
+            panel_pairs = T.decl_buffer((panel_words,), "int32", data=b_pairs.data)
+            # One buffer a vector, in the "global" scope: TVM puts those under 1 KB on the
+            # stack, where LLVM keeps them in registers; a "local" or larger one is a heap
+            # workspace, and the loop stored every sum at every step.
+            acc = [T.alloc_buffer((16,), "float32", align=64) for _ in range(2 * MR)]
+            c_tile = T.alloc_buffer((MR * PANEL,), "float32", align=64)
+            with T.serial(i64(0), (M + MR - 1) // MR) as block:
+                # rows past M read row M - 1; their sums are not stored
+                bases = [row_base(tirx.min(block * MR + r, M - 1)) for r in range(MR)]
+                _block_product(T, tirx, a_words, bases, taps, panel_pairs, acc)
+                _block_epilogue(T, tirx, M, N, acc, c_tile, block, panel, finish)
+
+
+def _block_product(T, tirx, a_words, bases, taps: Taps, panel_pairs, acc) -> None:
+    """``acc`` (2 MR vectors, row r's columns in ``acc[2 r]`` and ``acc[2 r + 1]``) = the
+    MR x 32 product of the rows of A at ``bases`` and the packed panel, over the real pairs
+    of K only (past them a row's words are the next row's: the panel's zero padding would
+    not cancel a NaN)."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     vec = 16
     lanes = [tirx.Ramp(i64(0), i64(1), vec)]
     for buffer in acc:
         T.buffer_store(buffer, tirx.Broadcast(tirx.const(0, "float32"), vec), lanes)
-    rows = [tirx.min(block * MR + r, M - 1) * half_k for r in range(MR)]
-    with T.serial(i64(0), i64(half_k)) as k2:
-        halves = [b_words.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
-        for r in range(MR):
-            a = tirx.Broadcast(a_pairs[rows[r] + k2], vec)
-            for h, b in enumerate(halves):
-                buffer = acc[2 * r + h]
-                value = tirx.call_pure_extern(
-                    f"float32x{vec}", DOT_FUNCTION, buffer.vload([i64(0)], f"float32x{vec}"), a, b
-                )
-                T.buffer_store(buffer, value, lanes)
+    with T.serial(i64(0), i64(taps.count)) as tap:
+        with T.serial(i64(0), i64(taps.pairs)) as c2:
+            k2 = tap * taps.pairs + c2
+            halves = [panel_pairs.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
+            for r, base in enumerate(bases):
+                a = tirx.Broadcast(a_words[base + taps.offset(tap) + c2], vec)
+                for h, b in enumerate(halves):
+                    buffer = acc[2 * r + h]
+                    value = tirx.call_pure_extern(
+                        f"float32x{vec}", DOT_FUNCTION, buffer.vload([i64(0)], f"float32x{vec}"),
+                        a, b,
+                    )  # fmt: skip
+                    T.buffer_store(buffer, value, lanes)
 
 
 def _block_epilogue(T, tirx, M, N: int, acc, c_tile, block, panel, finish) -> None:

@@ -31,17 +31,23 @@ import functools
 
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx_conv
+from . import cpu_amx_conv, cpu_avx512_bf16, cpu_avx512_bf16_conv
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
 SCHEDULE_VERSION = 8  # bump when a schedule changes the binary: it is part of the cache key
 
 
-def nhwc_on_tiles(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
-    """Whether ops/conv_ops.py runs ``spec`` as the AMX implicit GEMM of ``cpu_amx_conv``
-    (bf16, channels-last in and out; the 1x1 convs that are a GEMM per image stay so)."""
+def nhwc_kernel(spec: Conv2dSpec, cpu: CpuInfo | None = None):
+    """The module of the bf16 implicit GEMM over channels-last pixels that ops/conv_ops.py
+    runs ``spec`` as (``cpu_amx_conv`` on AMX tiles, ``cpu_avx512_bf16_conv`` on vdpbf16ps),
+    or None (the 1x1 convs that are a GEMM per image stay so)."""
     cpu = cpu or host_cpu()
-    return cpu_amx_conv.applies(spec, cpu) and not pointwise_as_gemm(spec, cpu)
+    if pointwise_as_gemm(spec, cpu):
+        return None
+    for module in (cpu_amx_conv, cpu_avx512_bf16_conv):
+        if module.applies(spec, cpu):
+            return module
+    return None
 
 
 # A 1x1, stride-1, unpadded conv is one GEMM per image: out[n] (K x P) = W (K x C) @ x[n]
@@ -66,14 +72,16 @@ def pointwise_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
     """Whether ops/conv_ops.py runs ``spec`` through the GEMM kernel (per image) instead.
     Every such bf16 conv where the GEMM runs on AMX tiles (``cpu_amx``): measured (1 thread,
     Intel Xeon, batch 1, against oneDNN's AMX conv) 1.8-1.9x at 56x56 256->64 and 14x14
-    1024->256, where the fp32 conv kernel ran at 0.5x."""
+    1024->256, where the fp32 conv kernel ran at 0.5x; and where it runs on vdpbf16ps
+    (``cpu_avx512_bf16``), at twice the fp32 conv kernel's rate."""
     pointwise = (
         spec.r == spec.s == 1
         and spec.stride == (1, 1)
         and spec.padding == (0, 0)
         and spec.groups == 1
     )
-    if pointwise and spec.dtype == "bfloat16" and (cpu or host_cpu()).amx_bf16:
+    cpu = cpu or host_cpu()
+    if pointwise and spec.dtype == "bfloat16" and (cpu.amx_bf16 or cpu_avx512_bf16.available(cpu)):
         return True
     p = spec.out_h * spec.out_w
     return pointwise and (
@@ -174,8 +182,11 @@ def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
-    if tile is None and nhwc_on_tiles(spec, cpu):
+    nhwc = nhwc_kernel(spec, cpu) if tile is None else None
+    if nhwc is cpu_amx_conv:
         return cpu_amx_conv.schedule_conv2d_amx(spec)
+    if nhwc is cpu_avx512_bf16_conv:
+        return cpu_avx512_bf16_conv.schedule_conv2d_dp(spec)
     vec = _vec(spec, cpu)
     tile = tile or blocked_tile(spec, cpu)
     if tile is None and is_depthwise(spec):
