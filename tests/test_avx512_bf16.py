@@ -71,6 +71,19 @@ def test_which_specs_take_it():
     assert not cpu_avx512_bf16.applies(linear, plain)
 
 
+def test_small_m_takes_it_from_17_rows():
+    """The "dot" variant (fp32 math) up to 16 rows of a bf16 Linear here, the packed kernel on
+    vdpbf16ps from 17; elsewhere "dot" up to DOT_MAX_M."""
+    assert cpu.bf16_dot_max_m(ZEN5) == cpu.BF16_DOT_MAX_M < cpu.DOT_MAX_M
+    plain = dataclasses.replace(ZEN5, features=ZEN5.features - {"avx512_bf16"})
+    assert cpu.bf16_dot_max_m(plain) == cpu.DOT_MAX_M
+    if cpu_avx512_bf16.available(CPU):
+        assert cpu.gemm_variant(16, 768, 768, "nk", dtype="bfloat16") == "dot"
+        assert cpu.gemm_variant(17, 768, 768, "nk", dtype="bfloat16") == "gemm"
+        assert cpu.gemm_variant(17, 768, 767, "nk", dtype="bfloat16") == "dot"  # odd K
+        assert cpu.gemm_variant(17, 768, 768, "nk", dtype="float32") == "dot"
+
+
 def test_compiles_to_dot_products_in_registers():
     """Cross-compiled for Zen 4 (no AVX512-BF16 needed to build): vdpbf16ps, with the sums in
     registers: no vector store between the K loop's first and last dot product (with the

@@ -127,6 +127,22 @@ ONE_PANEL_SWAPS = {"swap32": (32, (12, 4), 0), "swap48": (48, (8, 6), 768)}
 AMX_DOT_MAX_M = 128
 
 
+# bfloat16 on vdpbf16ps (cpu_avx512_bf16.py: CPUs with AVX512-BF16 and no AMX): the packed
+# kernel from M = 17, where it beats the "dot" kernel (fp32 math on converted operands).
+# Measured through the op, 2 threads, AMD EPYC (Zen 5), against F.linear bf16, dot / packed
+# (768x768, N=3072 K=768, N=768 K=3072, 4096x4096): M = 12 0.90 / 1.32, 0.61 / 0.84, 1.24 /
+# 0.71, 1.17 / 0.57; M = 16 1.04 / 1.12, 0.71 / 0.71-0.78, 1.08 / 0.68, 0.99 / 0.58; M = 17
+# 0.64 / 0.90, 0.40 / 1.00, 0.64 / 0.84, 0.54 / 0.54; M = 32 0.44 / 1.12, 0.42 / 0.79, 0.59 /
+# 0.75, 0.63 / 0.70 (the packed kernel packs the whole weight for a few rows of x).
+BF16_DOT_MAX_M = 16
+
+
+def bf16_dot_max_m(cpu: CpuInfo | None = None) -> int:
+    """The largest M of the "dot" variant for a bf16 "nk" product with a static, even K on
+    this CPU (ops/impls.py hands it to csrc/ too)."""
+    return BF16_DOT_MAX_M if cpu_avx512_bf16.available(cpu or host_cpu()) else DOT_MAX_M
+
+
 def amx_dot_limits(cpu: CpuInfo | None = None) -> tuple[int, int]:
     """(largest M, largest M x K x 2 bytes of x) of the bf16 "dot" variant past DOT_MAX_M
     on this CPU, (0, 0) without AMX tiles (ops/impls.py hands them to csrc/ too)."""
@@ -169,10 +185,11 @@ def gemm_variant(
         for variant in ONE_PANEL_SWAPS:
             if _one_panel_swap_fits(variant, m, n, k):
                 return variant
-    if nk and 2 <= m <= DOT_MAX_M:
+    bf16_pairs = dtype == "bfloat16" and static_k and k % 2 == 0  # vdpbf16ps / AMX operands
+    if nk and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
         return "dot2" if m <= DOT2_MAX_M else "dot"
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
-    if nk and dtype == "bfloat16" and static_k and k % 2 == 0 and _amx_dot_fits(m, k):
+    if nk and bf16_pairs and _amx_dot_fits(m, k):
         return "dot"
     if nk and dtype == "float32" and static_k and _swap_fits(m, n, k):
         return "swap"

@@ -31,7 +31,7 @@ from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 from . import cpu_amx
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2
 
 PANEL = cpu_amx.BLOCK  # columns of B per task: 2 vectors of 16 fp32 lanes
 MR = 12  # rows of A per register tile: 24 accumulators + 2 panel vectors + 1 broadcast of 32
