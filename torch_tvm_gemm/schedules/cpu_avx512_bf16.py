@@ -31,7 +31,7 @@ from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 from . import cpu_amx
 
-SCHEDULE_VERSION = 2
+SCHEDULE_VERSION = 4
 
 PANEL = cpu_amx.BLOCK  # columns of B per task: 2 vectors of 16 fp32 lanes
 MR = 12  # rows of A per register tile: 24 accumulators + 2 panel vectors + 1 broadcast of 32
@@ -86,10 +86,18 @@ def schedule_gemm_dp(spec: GemmSpec):
                 value = apply_activation(value, spec.activation, "float32", "cpu")
                 T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
-            taps = Taps(1, lambda tap: 0, half_k)  # one run of K/2 pairs a row
+            taps = linear_taps(half_k)
             panel_gemm(T, tirx, M, spec.n, spec.k, B, spec.b_layout == "nk", a_words,
                        lambda row: row * half_k, taps, finish)  # fmt: skip
     return tvm.IRModule({"main": ib.get()})
+
+
+def linear_taps(pairs: int) -> Taps:
+    """A matrix row's K/2 pairs as equal runs ("taps") of at most CHUNK_PAIRS, where some
+    run of 64 or more divides them (else one run): the chunks of ``panel_gemm``."""
+    runs = [r for r in range(64, CHUNK_PAIRS + 1) if pairs % r == 0]
+    run = max(runs) if runs and pairs > L1_PAIRS else pairs
+    return Taps(pairs // run, lambda tap: tap * run, run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +115,17 @@ class Taps:
 def panel_gemm(T, tirx, M, N: int, K: int, B, nk: bool, a_words, row_base, taps: Taps, finish):
     """Inside ``T.prim_func()``: the GEMM of A (M rows, row ``p`` from word ``row_base(p)``
     of ``a_words`` as ``taps`` says) and B (N, K) if ``nk`` else (K, N), its outputs through
-    ``finish(row, col, value)``; parallel over B's panels of 32 columns, each packed once."""
+    ``finish(row, col, value)``; parallel over B's panels of 32 columns, each packed once,
+    then used a chunk of its taps at a time (``chunk_taps``) by every block of A's rows, the
+    sums kept between chunks in the task's buffer."""
     import tvm
 
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     steps = -(-K // cpu_amx.K_STEP)  # the packs pad K to whole steps of 32 values
     panel_words = steps * cpu_amx.TILE_ROWS * PANEL
+    per_chunk = chunk_taps(taps)
+    chunks = taps.count // per_chunk
+    blocks = (M + MR - 1) // MR
     with T.attr(i64(0), "pragma_import_llvm", tvm.ir.StringImm(DOT_LLVM_IR)):
         with T.parallel(i64(0), i64(-(-N // PANEL))) as panel:
             b_pairs = T.alloc_buffer((panel_words,), "float32", align=64)
@@ -129,25 +142,76 @@ def panel_gemm(T, tirx, M, N: int, K: int, B, nk: bool, a_words, row_base, taps:
             # stack, where LLVM keeps them in registers; a "local" or larger one is a heap
             # workspace, and the loop stored every sum at every step.
             acc = [T.alloc_buffer((16,), "float32", align=64) for _ in range(2 * MR)]
-            c_tile = T.alloc_buffer((MR * PANEL,), "float32", align=64)
-            with T.serial(i64(0), (M + MR - 1) // MR) as block:
-                # rows past M read row M - 1; their sums are not stored
-                bases = [row_base(tirx.min(block * MR + r, M - 1)) for r in range(MR)]
-                _block_product(T, tirx, a_words, bases, taps, panel_pairs, acc)
-                _block_epilogue(T, tirx, M, N, acc, c_tile, block, panel, finish)
+            # the sums between chunks (one MR x 32 tile a block), and for the epilogue
+            sums = T.alloc_buffer(((blocks if chunks > 1 else 1) * MR * PANEL,), "float32",
+                                  align=64)  # fmt: skip
+            with T.serial(i64(0), i64(chunks)) as chunk:
+                with T.serial(i64(0), blocks) as block:
+                    tile = (block if chunks > 1 else 0) * (MR * PANEL)
+                    # rows past M read row M - 1; their sums are not stored
+                    bases = [row_base(tirx.min(block * MR + r, M - 1)) for r in range(MR)]
+                    _load_sums(T, tirx, acc, sums, tile, chunk if chunks > 1 else None)
+                    first = chunk * per_chunk
+                    _block_product(T, tirx, a_words, bases, taps, first, per_chunk, panel_pairs,
+                                   acc)  # fmt: skip
+                    _store_sums(T, tirx, acc, sums, tile)
+                    with T.If(chunk == chunks - 1):
+                        with T.Then():
+                            _block_epilogue(T, tirx, M, N, sums, tile, block, panel, finish)
 
 
-def _block_product(T, tirx, a_words, bases, taps: Taps, panel_pairs, acc) -> None:
-    """``acc`` (2 MR vectors, row r's columns in ``acc[2 r]`` and ``acc[2 r + 1]``) = the
-    MR x 32 product of the rows of A at ``bases`` and the packed panel, over the real pairs
-    of K only (past them a row's words are the next row's: the panel's zero padding would
-    not cancel a NaN)."""
+# Taps of K a chunk: their pairs of a panel (128 bytes a pair of K) within the L1 while every
+# block of A's rows runs over them. A panel that fits the L1 whole (L1_PAIRS: 48 KB) is not
+# chunked.
+CHUNK_PAIRS = 256
+L1_PAIRS = 384
+
+
+def chunk_taps(taps: Taps) -> int:
+    """The taps of a chunk: the most that divide ``taps.count`` and fit CHUNK_PAIRS pairs
+    (at least one)."""
+    fits = [
+        d for d in range(1, taps.count + 1) if taps.count % d == 0 and d * taps.pairs <= CHUNK_PAIRS
+    ]
+    return max(fits, default=1)
+
+
+def _load_sums(T, tirx, acc, sums, tile, chunk) -> None:
+    """The accumulators at a chunk's start: zero, or (``chunk`` past the first) the tile's
+    sums so far."""
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    lanes = [tirx.Ramp(i64(0), i64(1), 16)]
+
+    def zero():
+        for buffer in acc:
+            T.buffer_store(buffer, tirx.Broadcast(tirx.const(0, "float32"), 16), lanes)
+
+    if chunk is None:
+        zero()
+        return
+    with T.If(chunk == 0):
+        with T.Then():
+            zero()
+        with T.Else():
+            for i, buffer in enumerate(acc):
+                T.buffer_store(buffer, sums.vload([tile + i * 16], "float32x16"), lanes)
+
+
+def _store_sums(T, tirx, acc, sums, tile) -> None:
+    for i, buffer in enumerate(acc):
+        T.buffer_store(sums, buffer.vload([tirx.const(0, "int64")], "float32x16"),
+                       [tirx.Ramp(tile + i * 16, tirx.const(1, "int64"), 16)])  # fmt: skip
+
+
+def _block_product(T, tirx, a_words, bases, taps: Taps, first, count: int, panel_pairs, acc):
+    """``acc`` (2 MR vectors, row r's columns in ``acc[2 r]`` and ``acc[2 r + 1]``) += the
+    MR x 32 product of the rows of A at ``bases`` and the packed panel over ``count`` taps
+    from ``first``: the real pairs of K only (past them a row's words are the next row's:
+    the panel's zero padding would not cancel a NaN)."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     vec = 16
     lanes = [tirx.Ramp(i64(0), i64(1), vec)]
-    for buffer in acc:
-        T.buffer_store(buffer, tirx.Broadcast(tirx.const(0, "float32"), vec), lanes)
-    with T.serial(i64(0), i64(taps.count)) as tap:
+    with T.serial(first, first + count) as tap:
         with T.serial(i64(0), i64(taps.pairs)) as c2:
             k2 = tap * taps.pairs + c2
             halves = [panel_pairs.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
@@ -162,22 +226,19 @@ def _block_product(T, tirx, a_words, bases, taps: Taps, panel_pairs, acc) -> Non
                     T.buffer_store(buffer, value, lanes)
 
 
-def _block_epilogue(T, tirx, M, N: int, acc, c_tile, block, panel, finish) -> None:
-    """The block's real outputs through ``finish``, a row at a time from ``c_tile`` (the
-    sums moved out of the registers: the epilogue in a loop, not unrolled MR times, which
-    made a GELU kernel's build 10x slower); whole panels as vectors of 32, a partial last
-    panel (N % 32 != 0) element by element."""
+def _block_epilogue(T, tirx, M, N: int, sums, tile, block, panel, finish) -> None:
+    """The block's real outputs through ``finish``, a row at a time from its tile of ``sums``
+    (the epilogue in a loop, not unrolled MR times, which made a GELU kernel's build 10x
+    slower); whole panels as vectors of 32, a partial last panel (N % 32 != 0) element by
+    element."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    for i, buffer in enumerate(acc):
-        T.buffer_store(c_tile, buffer.vload([i64(0)], "float32x16"),
-                       [tirx.Ramp(i64(i * 16), i64(1), 16)])  # fmt: skip
     with T.serial(i64(0), i64(MR)) as r:
         row = block * MR + r
         with T.If(row < M):
             with T.Then():
                 if N % PANEL == 0:
                     with T.vectorized(i64(0), i64(PANEL)) as j:
-                        finish(row, panel * PANEL + j, c_tile[r * PANEL + j])
+                        finish(row, panel * PANEL + j, sums[tile + r * PANEL + j])
                 else:
                     with T.serial(i64(0), tirx.min(i64(PANEL), N - panel * PANEL)) as j:
-                        finish(row, panel * PANEL + j, c_tile[r * PANEL + j])
+                        finish(row, panel * PANEL + j, sums[tile + r * PANEL + j])
