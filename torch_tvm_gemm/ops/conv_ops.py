@@ -227,7 +227,7 @@ def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor
     n, k = x.shape[0], weight.shape[0]
     x_nhwc = x.permute(0, 2, 3, 1)
     padding = nhwc_kernel(spec).input_padding(spec)  # read in place: zero borders around it
-    if padding is not None:
+    if padding is not None and any(padding):
         top, bottom, left, right = padding
         x_nhwc = torch.nn.functional.pad(x_nhwc, (0, 0, left, right, top, bottom))
     x_nhwc = x_nhwc.contiguous()
