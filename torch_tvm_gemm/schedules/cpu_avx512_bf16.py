@@ -12,7 +12,8 @@ ran at 0.56-0.78x eager in bf16 on an AMD EPYC (Zen 5), against 1.9-2.6x in fp32
 word read in place, broadcast to the 16 lanes, one instruction is 16 columns x 2 values of
 K for one row. The register tile: MR rows x 32 columns, 2 MR accumulators, 2 vector loads
 of the panel and MR broadcasts per pair of K. Parallel over the panels: each task packs its
-panel once, then runs every MR-row block of A over it.
+panel once, then runs every MR-row block of A over it, a chunk of K at a time where the
+panel outgrows the L1 (the sums kept in memory between chunks).
 
 TVM 0.27 legalises every bf16 vector expression to fp32 and its LLVM code generator has no
 bfloat type, while the instruction's LLVM intrinsic takes ``<32 x bfloat>`` operands. So the
@@ -31,10 +32,15 @@ from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 from . import cpu_amx
 
-SCHEDULE_VERSION = 4
+SCHEDULE_VERSION = 5
 
 PANEL = cpu_amx.BLOCK  # columns of B per task: 2 vectors of 16 fp32 lanes
 MR = 12  # rows of A per register tile: 24 accumulators + 2 panel vectors + 1 broadcast of 32
+# K in chunks: a chunk's pairs of the panel (128 bytes a pair of K) stay in the L1 while every
+# block of A's rows runs over them; a panel that fits the L1 whole (L1_PAIRS: 48 KB) is not
+# chunked. Measured: docs/inference-shapes.md section 20.
+CHUNK_PAIRS = 256
+L1_PAIRS = 384
 
 DOT_FUNCTION = "tvm_gemm_dpbf16"
 # acc (16 fp32) + a . b, a and b 16 words of bf16 pairs each.
@@ -160,20 +166,13 @@ def panel_gemm(T, tirx, M, N: int, K: int, B, nk: bool, a_words, row_base, taps:
                             _block_epilogue(T, tirx, M, N, sums, tile, block, panel, finish)
 
 
-# Taps of K a chunk: their pairs of a panel (128 bytes a pair of K) within the L1 while every
-# block of A's rows runs over them. A panel that fits the L1 whole (L1_PAIRS: 48 KB) is not
-# chunked.
-CHUNK_PAIRS = 256
-L1_PAIRS = 384
-
-
 def chunk_taps(taps: Taps) -> int:
-    """The taps of a chunk: the most that divide ``taps.count`` and fit CHUNK_PAIRS pairs
-    (at least one)."""
-    fits = [
-        d for d in range(1, taps.count + 1) if taps.count % d == 0 and d * taps.pairs <= CHUNK_PAIRS
-    ]
-    return max(fits, default=1)
+    """The taps of a chunk: all where the panel fits the L1, else the most that divide
+    ``taps.count`` and fit CHUNK_PAIRS pairs (at least one)."""
+    if taps.count * taps.pairs <= L1_PAIRS:
+        return taps.count
+    fits = [d for d in range(1, taps.count + 1) if taps.count % d == 0]
+    return max((d for d in fits if d * taps.pairs <= CHUNK_PAIRS), default=1)
 
 
 def _load_sums(T, tirx, acc, sums, tile, chunk) -> None:
