@@ -87,20 +87,8 @@ def _amx_conv_func(spec: Conv2dSpec):
         H, W = H + top + bottom, W + left + right
     with IRBuilder() as ib:
         with T.prim_func():
-            handles = cpu_amx.kernel_args(T, ("x", "weight"), spec.bias)
-            batch = tirx.Var("batch", "int64")
-            x = T.match_buffer(handles[0], (batch, H, W, C), "bfloat16")
-            weight = T.match_buffer(handles[1], (N, K), "bfloat16")
-            bias = T.match_buffer(handles[2], (N,), "bfloat16") if spec.bias else None
-            M = batch * (OH * OW)
-            out = T.match_buffer(handles[-1], (M, N), "bfloat16")
+            batch, x, weight, M, finish = nhwc_conv_args(T, tirx, spec, H, W)
             x_words = T.decl_buffer((batch * H * W * C,), "uint16", data=x.data)
-
-            def finish(row, col, value):
-                if spec.bias:
-                    value = value + bias[col].astype("float32")
-                value = activate(spec.activation, value, "float32", "cpu")
-                T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
             if padding is None:
 
@@ -143,6 +131,28 @@ def _amx_conv_func(spec: Conv2dSpec):
                 cpu_amx.tile_gemm(T, tirx, M, N, i64(K), weight, True, finish, direct=direct,
                                   blocks=blocks, row_of=row_of)  # fmt: skip
     return ib.get()
+
+
+def nhwc_conv_args(T, tirx, spec: Conv2dSpec, H, W) -> tuple:
+    """Inside ``T.prim_func()``: the arguments of an implicit-GEMM conv kernel
+    ``main(x_nhwc, weight_ohwi, [bias,] out_nhwc)`` (x (batch, H, W, C) as the kernel reads
+    it, the weight (K, R*S*C), out (batch*OH*OW, K)), as (batch, x, weight, M, finish):
+    ``finish(row, col, value)`` adds the bias, applies the activation and stores in bf16."""
+    handles = cpu_amx.kernel_args(T, ("x", "weight"), spec.bias)
+    batch = tirx.Var("batch", "int64")
+    x = T.match_buffer(handles[0], (batch, H, W, spec.c), "bfloat16")
+    weight = T.match_buffer(handles[1], (spec.k, spec.r * spec.s * spec.c), "bfloat16")
+    bias = T.match_buffer(handles[2], (spec.k,), "bfloat16") if spec.bias else None
+    M = batch * (spec.out_h * spec.out_w)
+    out = T.match_buffer(handles[-1], (M, spec.k), "bfloat16")
+
+    def finish(row, col, value):
+        if spec.bias:
+            value = value + bias[col].astype("float32")
+        value = activate(spec.activation, value, "float32", "cpu")
+        T.buffer_store(out, value.astype("bfloat16"), [row, col])
+
+    return batch, x, weight, M, finish
 
 
 def _gather_patches(T, tirx, spec: Conv2dSpec, x_words, a_block, M, block):

@@ -14,9 +14,9 @@ gets the NHWC output, (batch * OH * OW, K), with bias and activation applied.
 
 from __future__ import annotations
 
-from ..kernels.conv2d import Conv2dSpec, activate
+from ..kernels.conv2d import Conv2dSpec
 from ..target import CpuInfo
-from . import cpu_amx, cpu_avx512_bf16
+from . import cpu_amx_conv, cpu_avx512_bf16
 
 SCHEDULE_VERSION = (1, cpu_avx512_bf16.SCHEDULE_VERSION)  # it runs on its panel_gemm
 
@@ -55,20 +55,8 @@ def schedule_conv2d_dp(spec: Conv2dSpec):
     pairs = C // 2  # one filter tap's channels
     with IRBuilder() as ib:
         with T.prim_func():
-            handles = cpu_amx.kernel_args(T, ("x", "weight"), spec.bias)
-            batch = tirx.Var("batch", "int64")
-            x = T.match_buffer(handles[0], (batch, H, W, C), "bfloat16")
-            weight = T.match_buffer(handles[1], (N, R * S * C), "bfloat16")
-            bias = T.match_buffer(handles[2], (N,), "bfloat16") if spec.bias else None
-            M = batch * (OH * OW)
-            out = T.match_buffer(handles[-1], (M, N), "bfloat16")
+            batch, x, weight, M, finish = cpu_amx_conv.nhwc_conv_args(T, tirx, spec, H, W)
             x_words = T.decl_buffer((batch * H * W * pairs,), "int32", data=x.data)
-
-            def finish(row, col, value):
-                if spec.bias:
-                    value = value + bias[col].astype("float32")
-                value = activate(spec.activation, value, "float32", "cpu")
-                T.buffer_store(out, value.astype("bfloat16"), [row, col])
 
             def pixel_base(p):  # the word of channel 0 of the patch's first tap
                 n, q = p // (OH * OW), p % (OH * OW)
