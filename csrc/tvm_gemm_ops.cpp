@@ -206,6 +206,7 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
       m * k * 2 <= amx.max_x_bytes) {
     return 2;
   }
+  if (b_nk && big_b && bf16_pairs && m >= 2) return 0;  // the packed kernel, even at M <= 16
   const auto& swap = g_config.swap;
   if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
       k <= swap.max_k) {

@@ -66,20 +66,25 @@ def test_which_specs_take_it():
     assert not cpu_avx512_bf16.applies(dataclasses.replace(linear, k=767), ZEN5)
     assert not cpu_avx512_bf16.applies(dataclasses.replace(linear, k=None), ZEN5)
     assert not cpu_avx512_bf16.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), ZEN5)
-    assert not cpu_avx512_bf16.applies(gemm_spec("bfloat16", 8, 768, 768, "nk"), ZEN5)
+    assert not cpu_avx512_bf16.applies(gemm_spec("bfloat16", 3, 768, 768, "nk"), ZEN5)
     plain = dataclasses.replace(ZEN5, features=ZEN5.features - {"avx512_bf16"})
     assert not cpu_avx512_bf16.applies(linear, plain)
 
 
-def test_small_m_takes_it_from_17_rows():
-    """The "dot" variant (fp32 math) up to 16 rows of a bf16 Linear here, the packed kernel on
-    vdpbf16ps from 17; elsewhere "dot" up to DOT_MAX_M."""
-    assert cpu.bf16_dot_max_m(ZEN5) == cpu.BF16_DOT_MAX_M < cpu.DOT_MAX_M
+def test_small_m_takes_it_from_5_rows():
+    """The "dot" variant (fp32 math) up to 4 rows of a bf16 Linear here, the packed kernel on
+    vdpbf16ps from 5 (not the gemv up to GEMV_MAX_M); elsewhere "dot" up to DOT_MAX_M."""
+    assert cpu.bf16_dot_max_m(ZEN5) == cpu.BF16_DOT_MAX_M < cpu.GEMV_MAX_M < cpu.DOT_MAX_M
     plain = dataclasses.replace(ZEN5, features=ZEN5.features - {"avx512_bf16"})
     assert cpu.bf16_dot_max_m(plain) == cpu.DOT_MAX_M
     if cpu_avx512_bf16.available(CPU):
-        assert cpu.gemm_variant(16, 768, 768, "nk", dtype="bfloat16") == "dot"
-        assert cpu.gemm_variant(17, 768, 768, "nk", dtype="bfloat16") == "gemm"
+        variant = functools.partial(cpu.gemm_variant, n=768, k=768, b_layout="nk")
+        assert variant(1, dtype="bfloat16") == "gemv"
+        assert variant(cpu.BF16_DOT_MAX_M, dtype="bfloat16") == "dot"
+        for m in (cpu.BF16_DOT_MAX_M + 1, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1):
+            assert variant(m, dtype="bfloat16") == "gemm"
+            assert variant(m, dtype="float32") != "gemm"  # (float32 unchanged: dot, swap32)
+        assert variant(8, k=767, dtype="bfloat16") == "dot"  # odd K: fp32 math
         assert cpu.gemm_variant(17, 768, 767, "nk", dtype="bfloat16") == "dot"  # odd K
         assert cpu.gemm_variant(17, 768, 768, "nk", dtype="float32") == "dot"
 
@@ -153,11 +158,12 @@ def test_nan_stays_in_its_row():
     not cpu_avx512_bf16.available(CPU),
     reason="the ops take this kernel on a CPU with AVX512-BF16 and no AMX",
 )
-def test_through_the_ops_against_torch_bf16():
-    """The op's bf16 linear takes this kernel here, and is equal to torch's own bf16 linear
-    (oneDNN, also on vdpbf16ps) to the rounding of the last bit."""
-    x, w, b = randn(200, 768, dtype=BF16), randn(768, 768, dtype=BF16), randn(768, dtype=BF16)
-    assert cpu.gemm_variant(200, 768, 768, "nk", dtype="bfloat16") == "gemm"
+@pytest.mark.parametrize("m", [5, 16, 200])
+def test_through_the_ops_against_torch_bf16(m):
+    """The op's bf16 linear takes this kernel here (from M = 5), and is equal to torch's own
+    bf16 linear (oneDNN, also on vdpbf16ps) to the rounding of the last bit."""
+    x, w, b = randn(m, 768, dtype=BF16), randn(768, 768, dtype=BF16), randn(768, dtype=BF16)
+    assert cpu.gemm_variant(m, 768, 768, "nk", dtype="bfloat16") == "gemm"
     ours, theirs = tg.linear(x, w, b, "none").float(), F.linear(x, w, b).float()
     ulp = theirs.abs().clamp_min(1e-30) * 2.0**-7
     assert ((ours - theirs).abs() <= ulp).float().mean() > 0.99

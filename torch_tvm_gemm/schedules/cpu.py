@@ -128,13 +128,15 @@ AMX_DOT_MAX_M = 128
 
 
 # bfloat16 on vdpbf16ps (cpu_avx512_bf16.py: CPUs with AVX512-BF16 and no AMX): the packed
-# kernel from M = 17, where it beats the "dot" kernel (fp32 math on converted operands).
-# Measured through the op, 2 threads, AMD EPYC (Zen 5), against F.linear bf16, dot / packed
-# (768x768, N=3072 K=768, N=768 K=3072, 4096x4096): M = 12 0.90 / 1.32, 0.61 / 0.84, 1.24 /
-# 0.71, 1.17 / 0.57; M = 16 1.04 / 1.12, 0.71 / 0.71-0.78, 1.08 / 0.68, 0.99 / 0.58; M = 17
-# 0.64 / 0.90, 0.40 / 1.00, 0.64 / 0.84, 0.54 / 0.54; M = 32 0.44 / 1.12, 0.42 / 0.79, 0.59 /
-# 0.75, 0.63 / 0.70 (the packed kernel packs the whole weight for a few rows of x).
-BF16_DOT_MAX_M = 16
+# kernel from M = 5, where it beats the "dot" kernel (fp32 math on converted operands): its
+# time hardly grows from M = 2 to 12 (one block of rows; the weight's pack is the cost), the
+# dot kernel's does. Measured through the op, 2 threads, AMD EPYC (Zen 5), 64-128 MB of
+# weights cycled (from memory, as in a model), against F.linear bf16 in the same run, dot /
+# packed (768x768, N=3072 K=768, N=768 K=3072, 4096x4096, N=1376 K=512, N=512 K=1376):
+# M = 4 1.06 / 1.05, 0.99 / 0.93, 0.94 / 0.91, 1.07 / 0.90, 0.82 / 0.95, 0.99 / 1.05; M = 6
+# 0.74 / 1.06, 0.67 / 0.97, 0.77 / 0.96, 0.82 / 0.86, 0.55 / 1.06, 0.76 / 1.08; M = 12 0.69 /
+# 1.17, 0.61 / 1.10, 0.75 / 1.08, 0.90 / 1.14, 0.58 / 1.27, 0.70 / 1.18.
+BF16_DOT_MAX_M = 4
 
 
 def bf16_dot_max_m(cpu: CpuInfo | None = None) -> int:
@@ -191,6 +193,8 @@ def gemm_variant(
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
     if nk and bf16_pairs and _amx_dot_fits(m, k):
         return "dot"
+    if nk and bf16_pairs and m >= 2:  # past bf16_dot_max_m: the packed kernel, even at M <= 16
+        return "gemm"
     if nk and dtype == "float32" and static_k and _swap_fits(m, n, k):
         return "swap"
     if nk and dtype == "float32" and static_k and _swap2_fits(m, n, k):
