@@ -96,3 +96,15 @@ def test_kn_layout_and_row_bias(bias_axis):
     fn(a, bm, bias, out)
     y = a.double() @ bm.double() + (bias.double()[:, None] if bias_axis == "m" else bias.double())
     assert_close(out, F.relu(y), k)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_asks_for_the_next_chunk_of_the_weight(layout):
+    # cpu_pack_prefetch.prefetch_next_chunk: one prefetch, in the loop over the tiles, taken
+    # while M's tiles of a chunk of A take at most a third of the L2.
+    from torch_tvm_gemm.schedules import cpu as cpu_schedules
+
+    script = cpu_schedules.schedule_gemm(spec(K_EXACT, b_layout=layout), CPU).script()
+    assert script.count("llvm.prefetch") == 1
+    max_tiles = CPU.l2_bytes // 3 // (6 * K_CHUNK * 4)
+    assert f"(M + T.int64(5)) // T.int64(6) <= T.int64({max_tiles})" in script

@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 33  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 34  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -276,7 +276,13 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     if kc is not None:
         mr, nr = 6, 4 * vec  # the panel is short now: the widest tile
         sch = s_tir.Schedule(kblocked_gemm_compute(spec, mr, nr, kc))
-        _schedule_packed_kblocked(sch, spec, mr, nr, vec)
+        loops = _schedule_packed_kblocked(sch, spec, mr, nr, vec)
+        loops = [sch.get(loop).loop_var for loop in loops]
+        chunks, width = -(-spec.k // kc), _panels_per_task(spec, nr) * nr
+        # while a chunk of A (tiles x MR x kc values) takes at most a third of the L2
+        max_tiles = cpu.l2_bytes // 3 // (mr * kc * (8 if spec.acc_dtype == "float64" else 4))
+        return cpu_pack_prefetch.prefetch_next_chunk(sch.mod, loops, chunks, width, kc,
+                                                     spec.b_layout == "nk", max_tiles)  # fmt: skip
     elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
         pack_loops = _schedule_packed_batched(sch, spec, mr, nr, vec)
@@ -558,6 +564,7 @@ def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -
     sch.decompose_reduction(acc, c)
     o_in = sch.split(sch.get_loops(out)[-1], [None, vec])[1]
     sch.vectorize(o_in)
+    return jo, c, io
 
 
 def _panels_per_task(spec: GemmSpec, nr: int) -> int:

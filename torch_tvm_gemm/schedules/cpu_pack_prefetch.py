@@ -1,5 +1,6 @@
 """Software prefetches in the packed kernel's pack of B (``prefetch_pack_reads`` for a "nk"
-weight, ``prefetch_copy_reads`` for a "kn" one).
+weight, ``prefetch_copy_reads`` for a "kn" one) and of the weight's next chunk in the
+K-blocked kernel (``prefetch_next_chunk``).
 
 The pack (``cpu._transpose_in_tiles``) reads VEC rows of the weight at a time, a VEC x VEC
 tile per step along K. From L3, where a model's weights are, it ran far below the L3's rate
@@ -24,6 +25,16 @@ its K rows, rows N values apart: each row now first asks for the row AHEAD_ROWS 
 measurement (GPT-2's 2304 x 768, 768 x 768, 3072 x 768, 768 x 3072; against torch.addmm):
 M = 128 -0.4% to +3.9%, M = 256 -0.6% to +5.5%, M = 1024 -1.4% to +3%; the pack alone (M = 6,
 one thread) +6% to +13%. 16 rows ahead: about the same.
+
+The K-blocked kernel (K past half the L2 in a 64-wide panel: K > 2048 on a 1 MB L2) packs a
+chunk of 256 values of K of its task's panels at a time, then runs every tile of A over it.
+With the weight from memory the packs waited for it; now the next chunk's piece is asked for
+into the L2 while the tiles of this one run (``prefetch_next_chunk``). Measured on an AMD
+EPYC (Zen 5, 1 MB L2), 2 threads, weights cycled through 96 MB or more, GFLOPS without ->
+with, two runs: 4096 x 4096 M = 128 373 / 366 -> 387 / 404, 4096 x 11008 M = 128 373 / 403
+-> 421 / 418, 768 x 3072 M = 128 359 -> 385, M = 256 +1% to +5%; but M = 512 -1% and -6%,
+M = 768 0% and -4%, M = 1024 -2% to -4% (4096 x 11008): there the chunk of A (M KB) fills
+the L2 and the prefetched lines push it out. So only while it takes at most a third of it.
 
 TensorIR's schedule primitives cannot place a prefetch, so it is added to the scheduled
 module: the pack's loop over tiles along K ("nk") or over rows ("kn") gets the prefetches
@@ -88,11 +99,60 @@ def prefetch_copy_reads(mod, k_rows, columns, nr: int):
     return _first_in(mod, k_rows, loop)
 
 
-def _prefetch(b, index):
+def prefetch_next_chunk(mod, loops, chunks: int, task_width: int, kc: int, nk: bool,
+                        max_tiles: int):  # fmt: skip
+    """The K-blocked kernel (``cpu._schedule_packed_kblocked``) with the weight's piece for
+    the task's next chunk (after its last chunk: the next task's first, which the parallel
+    loop gives the same thread) asked for into the L2 while this chunk's tiles run, spread
+    over them: first in the body of the loop over tiles. ``loops``: the variables of the
+    loops over the tasks (``task_width`` columns of the result each), the chunks (``kc``
+    values of K each) and the tiles; at most ``max_tiles`` tiles (a call's M, known at run
+    time), past which the chunk of A takes the L2 and the prefetched lines would push it
+    out (figures at the top)."""
     from tvm import tirx
 
-    # llvm.prefetch(address, read, locality 3 = every cache level (prefetcht0), data)
-    read, keep, data = (tirx.const(v, "int32") for v in (0, 3, 1))
+    b = mod["main"].params[1]  # (N, K) if nk else (K, N)
+    n, k = b.ty.shape if nk else b.ty.shape[::-1]
+    task, chunk, tile = loops
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    # the piece, line by line: task_width rows of kc values ("nk"), kc rows of task_width
+    per_row = (kc if nk else task_width) // LINE
+    lines = per_row * (task_width if nk else kc)
+    last = tirx.EQ(chunk, i64(chunks - 1))
+    next_task = tirx.Select(last, task + i64(1), task)
+    next_chunk = tirx.Select(last, i64(0), chunk + i64(1))
+    line = tirx.Var("line", "int64")
+
+    def replace(loop):
+        if not loop.loop_var.same_as(tile):
+            return None
+        per_tile = (i64(lines) + loop.extent - i64(1)) // loop.extent
+        at = tile * per_tile + line
+        across = next_task * i64(task_width) + at // i64(per_row)
+        along = next_chunk * i64(kc) + at % i64(per_row) * i64(LINE)
+        if nk:
+            index = [tirx.min(across, n - i64(1)), tirx.min(along, k - i64(1))]
+        else:  # (rows of B along K, lines along N)
+            along = next_chunk * i64(kc) + at // i64(per_row)
+            across = next_task * i64(task_width) + at % i64(per_row) * i64(LINE)
+            index = [tirx.min(along, k - i64(1)), tirx.min(across, n - i64(1))]
+        ask = tirx.IfThenElse(at < i64(lines), _prefetch(b, index, locality=2), None)
+        prefetches = tirx.For(line, i64(0), per_tile, tirx.ForKind.SERIAL, ask)
+        prefetches = fresh_copy(tirx.IfThenElse(loop.extent <= i64(max_tiles), prefetches, None))
+        return with_body(loop, tirx.SeqStmt([prefetches, loop.body]))
+
+    mod, found = replace_loops(mod, replace)
+    if not found:
+        raise RuntimeError("cpu_pack_prefetch: the K-blocked kernel's tile loop was not found")
+    return mod
+
+
+def _prefetch(b, index, locality: int = 3):
+    from tvm import tirx
+
+    # llvm.prefetch(address, read, locality (3: every cache level, prefetcht0; 2: prefetcht1,
+    # into the L2), data)
+    read, keep, data = (tirx.const(v, "int32") for v in (0, locality, 1))
     address = tirx.address_of(tirx.BufferLoad(b, index))
     return tirx.Evaluate(
         tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, read, keep, data)
