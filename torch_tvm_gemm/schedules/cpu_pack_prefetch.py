@@ -30,11 +30,12 @@ The K-blocked kernel (K past half the L2 in a 64-wide panel: K > 2048 on a 1 MB 
 chunk of 256 values of K of its task's panels at a time, then runs every tile of A over it.
 With the weight from memory the packs waited for it; now the next chunk's piece is asked for
 into the L2 while the tiles of this one run (``prefetch_next_chunk``). Measured on an AMD
-EPYC (Zen 5, 1 MB L2), 2 threads, weights cycled through 96 MB or more, GFLOPS without ->
-with, two runs: 4096 x 4096 M = 128 373 / 366 -> 387 / 404, 4096 x 11008 M = 128 373 / 403
--> 421 / 418, 768 x 3072 M = 128 359 -> 385, M = 256 +1% to +5%; but M = 512 -1% and -6%,
-M = 768 0% and -4%, M = 1024 -2% to -4% (4096 x 11008): there the chunk of A (M KB) fills
-the L2 and the prefetched lines push it out. So only while it takes at most a third of it.
+EPYC (Zen 5, 1 MB L2), 2 threads, weights cycled through 96 MB or more, both kernels in one
+process called in turn, without -> with: 4096 x 11008 M = 128 +6.7%, 768 x 3072 M = 128
++5.9%, 4096 x 4096 M = 128 +0.2%, M = 256 +0.8% to +1%. Built for every M, separate runs
+read M = 512 -1% and -6%, M = 768 0% and -4%, M = 1024 -2% to -4% (4096 x 11008): there the
+chunk of A (M KB) fills the L2 and the prefetched lines push it out. So the prefetch runs
+only while that chunk takes at most a third of the L2 (docs/inference-shapes.md section 21).
 
 TensorIR's schedule primitives cannot place a prefetch, so it is added to the scheduled
 module: the pack's loop over tiles along K ("nk") or over rows ("kn") gets the prefetches
@@ -128,14 +129,13 @@ def prefetch_next_chunk(mod, loops, chunks: int, task_width: int, kc: int, nk: b
             return None
         per_tile = (i64(lines) + loop.extent - i64(1)) // loop.extent
         at = tile * per_tile + line
-        across = next_task * i64(task_width) + at // i64(per_row)
-        along = next_chunk * i64(kc) + at % i64(per_row) * i64(LINE)
-        if nk:
-            index = [tirx.min(across, n - i64(1)), tirx.min(along, k - i64(1))]
-        else:  # (rows of B along K, lines along N)
-            along = next_chunk * i64(kc) + at // i64(per_row)
-            across = next_task * i64(task_width) + at % i64(per_row) * i64(LINE)
-            index = [tirx.min(along, k - i64(1)), tirx.min(across, n - i64(1))]
+        row, column = at // i64(per_row), at % i64(per_row) * i64(LINE)  # in the piece
+        if nk:  # rows of the weight across N, K along them
+            index = [next_task * i64(task_width) + row, next_chunk * i64(kc) + column]
+        else:  # rows of B along K, N along them
+            index = [next_chunk * i64(kc) + row, next_task * i64(task_width) + column]
+        bounds = [n, k] if nk else [k, n]
+        index = [tirx.min(i, bound - i64(1)) for i, bound in zip(index, bounds, strict=True)]
         ask = tirx.IfThenElse(at < i64(lines), _prefetch(b, index, locality=2), None)
         prefetches = tirx.For(line, i64(0), per_tile, tirx.ForKind.SERIAL, ask)
         prefetches = fresh_copy(tirx.IfThenElse(loop.extent <= i64(max_tiles), prefetches, None))
