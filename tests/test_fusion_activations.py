@@ -195,3 +195,31 @@ def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():
         bn.running_mean.data.add_(1.0)  # not counted by torch: refold() is the way
         fused.refold()
         assert_close(fused(x), expected(), k=200)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bn_fold_kept_in_the_layout_the_conv_reads(dtype):
+    """The fold is kept channels_last where the op runs the bf16 implicit GEMM over NHWC
+    pixels (which reads a (K, R, S, C) weight: any other it permutes at every call), else
+    contiguous; the answer is the same either way, and a counted write still refolds."""
+    from torch_tvm_gemm.fold import fold_conv_bn
+    from torch_tvm_gemm.ops.conv_ops import conv2d_spec
+    from torch_tvm_gemm.schedules.cpu_conv2d import nhwc_kernel
+
+    conv, bn = nn.Conv2d(16, 32, 3, padding=1).to(dtype), nn.BatchNorm2d(32).eval().to(dtype)
+    fused = TVMConv2dBN(conv, bn, "relu")
+    x = randn(2, 16, 10, 10, dtype=dtype)
+    spec = conv2d_spec(x, conv.weight, conv.bias, [1, 1], [1, 1], [1, 1], 1, True)
+    nhwc = nhwc_kernel(spec) is not None  # (bf16 on AMX or AVX512-BF16 CPUs)
+
+    def expected():
+        w, b = (t.double() for t in fold_conv_bn(conv, bn))
+        return F.relu(F.conv2d(x.double(), w, b, padding=1))
+
+    with torch.no_grad():
+        assert_close(fused(x), expected(), k=16 * 9)
+        folded = fused._folded[0]
+        assert folded.is_contiguous(memory_format=torch.channels_last) == nhwc
+        assert folded.is_contiguous() != nhwc
+        conv.weight.mul_(-1.0)
+        assert_close(fused(x), expected(), k=16 * 9)
