@@ -186,8 +186,9 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     GEMM over all pixels, ``(N*H*W, C) @ W^T``, on x as it lies and straight into the output
     (no copy either side; measured, 2 threads, Intel Xeon, against oneDNN's channels_last
     conv: 0.93-1.25x at ResNet-50's 1x1 shapes at batch 8, where the NCHW routes ran at
-    0.42-0.87x); a strided one on a channels_last copy of the pixels it reads. Other convs run
-    the NCHW kernel and their output is copied to channels_last."""
+    0.42-0.87x); a strided one on a channels_last copy of the pixels it reads. The bf16
+    implicit GEMM ("nhwc") reads x and writes its output channels-last as they are. Other
+    convs run the NCHW kernel and their output is copied to channels_last."""
     n, _, out_h, out_w = shape
     stride = spec.stride
     if strided_pointwise(spec):
@@ -198,6 +199,9 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
         out = output_pool.empty((n * out_h * out_w, k), x.dtype, x.device)
         _gemm_activated(pixels, weight.reshape(k, c), "nk", bias, spec.activation, out, "n")
         return out.view(n, out_h, out_w, k).permute(0, 3, 1, 2)
+    if nhwc_kernel(spec) is not None:  # NHWC in and out already: no copy to NCHW and back
+        y = _nhwc_product(x, weight, bias, spec)
+        return y.view(n, out_h, out_w, -1).permute(0, 3, 1, 2)
     y = _conv2d_impl(
         x.contiguous(),
         weight,
@@ -236,9 +240,16 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, ou
 
 
 def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
+    """``_nhwc_product`` of an NCHW x, its NHWC result copied into ``out``."""
+    y = _nhwc_product(x, weight, bias, spec)
+    out.copy_(y.view(x.shape[0], spec.out_h, spec.out_w, -1).permute(0, 3, 1, 2))
+    return out
+
+
+def _nhwc_product(x: Tensor, weight: Tensor, bias: Tensor | None, spec) -> Tensor:
     """The bf16 implicit GEMM (``schedules/cpu_amx_conv.py`` or ``cpu_avx512_bf16_conv.py``):
     an NHWC copy of x (none for a channels_last x that needs no zero border), the weight as
-    (K, R*S*C), the NHWC result copied into ``out``."""
+    (K, R*S*C) (no copy for a channels_last weight); returns the NHWC result, (N*OH*OW, K)."""
     kernel = get_kernel(spec)
     sync_threads()
     n, k = x.shape[0], weight.shape[0]
@@ -254,8 +265,7 @@ def _nhwc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor
         [aligned(bias.contiguous())] if bias is not None else []
     )
     kernel(*args, y)
-    out.copy_(y.view(n, spec.out_h, spec.out_w, k).permute(0, 3, 1, 2))
-    return out
+    return y
 
 
 def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, out: Tensor):
