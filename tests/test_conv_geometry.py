@@ -4,12 +4,15 @@ stays."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_close, randn
 
-from torch_tvm_gemm.ops import conv_ops
+from torch_tvm_gemm.ops import conv_ops, gemm_ops
+from torch_tvm_gemm.schedules import cpu_conv2d
 
 op = torch.ops.tvm_gemm.conv2d_bias_relu
 
@@ -75,6 +78,8 @@ def test_the_kept_geometries_are_bounded(monkeypatch):
     ],
 )
 def test_strided_1x1_conv_runs_on_the_pixels_it_reads(monkeypatch, c, k, h, w, stride, groups):
+    monkeypatch.setattr(conv_ops, "patches_as_gemm", lambda spec: False)  # (few pixels: below)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
     got_specs = []
     get_kernel = conv_ops.get_kernel
     monkeypatch.setattr(conv_ops, "get_kernel", lambda s: got_specs.append(s) or get_kernel(s))
@@ -104,3 +109,95 @@ def test_strided_1x1_conv_in_bfloat16():
     expected = F.silu(F.conv2d(x.float(), w.float(), b.float(), 2))
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert_close(got, expected, k=32)
+
+
+@pytest.mark.parametrize(
+    "n, c, k, h, w, r, s, stride, padding, dilation",
+    [
+        (1, 64, 40, 7, 7, 1, 1, (1, 1), (0, 0), (1, 1)),  # ResNet's last stage, 1x1
+        (2, 24, 40, 7, 7, 3, 3, (1, 1), (1, 1), (1, 1)),  # its 3x3
+        (1, 16, 24, 14, 13, 3, 3, (2, 2), (1, 1), (1, 1)),  # stride 2 into 7x7
+        (3, 16, 8, 15, 14, 1, 1, (2, 2), (0, 0), (1, 1)),  # a strided 1x1 shortcut
+        (1, 20, 8, 7, 8, 3, 2, (1, 1), (1, 0), (2, 1)),  # uneven kernel, padding, dilation
+    ],
+)
+def test_few_pixels_run_as_one_gemm_over_channels_last_patches(
+    monkeypatch, n, c, k, h, w, r, s, stride, padding, dilation
+):
+    """An fp32 conv with at most 64 output pixels an image and a 1x1 or channels_last
+    weight is one GEMM over the patches of all images: right for any x layout, output
+    channels_last for a channels_last x (else contiguous), every activation, no conv kernel
+    asked for; a module keeping a weight for it is told to keep it channels_last. (Small
+    convs here: the route's least work is lowered.)"""
+    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
+    got_specs = []
+    for module in (conv_ops, gemm_ops):  # (the conv kernels, the GEMM kernels)
+        get_kernel = module.get_kernel
+        monkeypatch.setattr(
+            module, "get_kernel", lambda s, f=get_kernel: got_specs.append(s) or f(s)
+        )
+    x = randn(n, c, h, w)
+    wt = randn(k, c, r, s).contiguous(memory_format=torch.channels_last)
+    b = randn(k)
+    args = (list(stride), list(padding), list(dilation), 1)
+    strided = randn(n, c, h, 2 * w)[..., ::2]  # (non-contiguous either way)
+    for given in (x, x.to(memory_format=torch.channels_last), strided):
+        for activation, bias in (("relu", b), ("none", None), ("relu6", b)):
+            expected = reference_conv(given, wt, bias, stride, padding, dilation, activation)
+            got = op(given, wt, bias, *args, activation == "relu", activation)
+            assert got.shape == expected.shape
+            layout = torch.channels_last if conv_ops.channels_last_output(given) else None
+            assert got.is_contiguous(memory_format=layout or torch.contiguous_format)
+            assert_close(got, expected, k=c * r * s)
+    assert got_specs and not [spec for spec in got_specs if hasattr(spec, "r")]
+    assert conv_ops.weight_layout(x, wt.contiguous(), stride, padding, dilation, 1) == (
+        torch.channels_last
+    )
+
+
+def reference_conv(x, w, b, stride, padding, dilation, activation):
+    y = F.conv2d(x, w, b, stride, padding, dilation)
+    return {"relu": F.relu, "relu6": F.relu6, "none": lambda t: t}[activation](y)
+
+
+def test_contiguous_3x3_weight_or_more_pixels_stay_on_the_conv_kernel(monkeypatch):
+    """The patches of a contiguous 3x3 weight would be (C, R, S) runs of 3 values, whose copy
+    costs what the GEMM gains: that conv keeps the conv kernel, as does one of 10x10 pixels."""
+    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
+    w = randn(8, 16, 3, 3)
+    for x, weight in (
+        (randn(1, 16, 7, 7), w),
+        (randn(1, 16, 10, 10), w.to(memory_format=torch.channels_last)),
+    ):
+        assert (
+            conv_ops._checked_geometry(x, weight, None, [1, 1], [1, 1], [1, 1], 1, True, None)[2]
+            == "conv"
+        )
+        assert_close(
+            op(x, weight, None, [1, 1], [1, 1]),
+            F.relu(F.conv2d(x, weight, None, padding=1)),
+            k=16 * 9,
+        )
+    assert (
+        conv_ops.weight_layout(randn(1, 16, 10, 10), w, [1, 1], [1, 1], [1, 1], 1)
+        == torch.contiguous_format
+    )
+
+
+@pytest.mark.parametrize(
+    "c, k, size, r, stride, expected",
+    [
+        (2048, 512, 7, 1, 1, True),  # ResNet-50's last stage
+        (512, 512, 7, 3, 1, True),
+        (512, 512, 14, 3, 2, True),  # 14x14 -> 7x7
+        (512, 512, 14, 3, 1, False),  # 196 pixels
+        (160, 960, 7, 1, 1, False),  # MobileNetV2's: too little work an image
+    ],
+)
+def test_the_patches_rule_takes_resnets_last_stage(c, k, size, r, stride, expected):
+    x, w = torch.empty(1, c, size, size, device="meta"), torch.empty(k, c, r, r, device="meta")
+    spec = conv_ops.conv2d_spec(x, w, None, stride, r // 2, 1, 1, True, device="cpu")
+    assert cpu_conv2d.patches_as_gemm(spec) == expected
+    assert not cpu_conv2d.patches_as_gemm(dataclasses.replace(spec, dtype="bfloat16"))

@@ -223,3 +223,30 @@ def test_bn_fold_kept_in_the_layout_the_conv_reads(dtype):
         assert folded.is_contiguous() != nhwc
         conv.weight.mul_(-1.0)
         assert_close(fused(x), expected(), k=16 * 9)
+
+
+def test_fp32_fold_channels_last_where_few_pixels_and_refolded_for_another_size(monkeypatch):
+    """At 7x7 output pixels an fp32 conv is a GEMM over channels-last patches, which reads a
+    channels_last weight in place: the fold is kept so; an input of another size (28x28: the
+    conv kernel, which reads a contiguous weight) folds again, in that layout. (A small
+    conv: the route's least work is lowered.)"""
+    from torch_tvm_gemm.fold import fold_conv_bn
+    from torch_tvm_gemm.ops import conv_ops
+    from torch_tvm_gemm.schedules import cpu_conv2d
+
+    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
+
+    conv, bn = nn.Conv2d(16, 24, 3, padding=1), nn.BatchNorm2d(24).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    fused = TVMConv2dBN(conv, bn, "relu")
+    w, b = fold_conv_bn(conv, bn)
+    with torch.no_grad():
+        for size, channels_last in ((7, True), (28, False), (7, True)):
+            x = randn(2, 16, size, size)
+            assert_close(fused(x), F.relu(F.conv2d(x, w, b, padding=1)), k=16 * 9)
+            folded = fused._folded[0]
+            assert folded.is_contiguous(memory_format=torch.channels_last) == channels_last
+            assert folded.is_contiguous() != channels_last

@@ -21,8 +21,9 @@ from torch import nn
 
 import torch_tvm_gemm as tg
 from torch_tvm_gemm import ops
-from torch_tvm_gemm.ops import conv_ops
+from torch_tvm_gemm.ops import conv_ops, gemm_ops
 from torch_tvm_gemm.runtime import build_worker, table
+from torch_tvm_gemm.schedules import cpu_conv2d
 from torch_tvm_gemm.schedules.cpu_conv2d import pointwise_as_gemm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,18 +109,28 @@ def test_planning_convs_as_the_impl_of_the_planned_device_runs_them():
     assert cuda == [ops.conv2d_spec(x1, w1, None, *pointwise, device="cuda")]
 
 
-def test_planning_a_strided_1x1_conv_records_what_the_impl_asks_for(monkeypatch):
-    """A strided 1x1 conv runs as the stride-1 conv of its subsampled input: planning
-    records exactly the kernels that call then asks for."""
-    x, w, b = randn(2, 8, 9, 10), randn(16, 8, 1, 1), randn(16)
+@pytest.mark.parametrize("size", [(17, 18), (9, 10)])
+def test_planning_a_strided_1x1_conv_records_what_the_impl_asks_for(monkeypatch, size):
+    """A strided 1x1 conv runs as the stride-1 conv of its subsampled input, or at 5x5
+    output pixels as a GEMM over its patches: planning records exactly the kernels that
+    call then asks for."""
+    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)  # (a small conv takes it)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
+    x, w, b = randn(2, 8, *size), randn(16, 8, 1, 1), randn(16)
     args = (x, w, b, [2, 2], [0, 0], [1, 1], 1, True, None)
     specs, y = _planned(lambda: conv(*args))
     torch.testing.assert_close(y, torch.relu(nn.functional.conv2d(x, w, b, 2)))
     asked = []
-    get_kernel = conv_ops.get_kernel
-    monkeypatch.setattr(conv_ops, "get_kernel", lambda s: asked.append(s) or get_kernel(s))
+    for module in (conv_ops, gemm_ops):  # (the conv kernels, the GEMM kernels)
+        get_kernel = module.get_kernel
+        monkeypatch.setattr(module, "get_kernel", lambda s, f=get_kernel: asked.append(s) or f(s))
     conv(*args)
-    assert specs == asked and asked[0].stride == (1, 1) and (asked[0].h, asked[0].w) == (5, 5)
+    assert specs == asked and len(asked) == 1
+    out_h, out_w = (-(-side // 2) for side in size)
+    if out_h * out_w > 64:
+        assert asked[0].stride == (1, 1) and (asked[0].h, asked[0].w) == (out_h, out_w)
+    else:  # one GEMM: (N * OH * OW, C) @ W^T
+        assert not hasattr(asked[0], "r") and (asked[0].n, asked[0].k) == (16, 8)
 
 
 def test_planning_without_compute_leaves_results_alone():

@@ -8,7 +8,8 @@ changes through torch (``load_state_dict``, an optimizer step, ``copy_``, ``.to(
 bumps the tensor's version), in the memory format the op reads in place
 (``conv_ops.weight_layout``: channels_last for the bf16 NHWC convs, which permuted it at
 every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward on an AMD
-EPYC). A write that torch does not count (through ``tensor.data`` or a
+EPYC; and for the fp32 convs with few output pixels, a GEMM over channels-last patches;
+an input of another image size folds again). A write that torch does not count (through ``tensor.data`` or a
 numpy view of it) is not seen: call ``refold()`` after one. (Folding at every call instead
 would cost a pass over the weight per call, as much as the conv's own pack.) Under
 ``torch.compile`` the fold is part of the graph, computed at every call (inductor fuses it
@@ -85,7 +86,9 @@ class TVMConv2dBN(nn.Module):
             weight, bias = fold_conv_bn(conv, bn)
             return weight.contiguous(), bias.contiguous()
         try:
-            key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+            versions = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+            # (and x's image: its size picks the route, hence the layout, e.g. at 7x7 pixels)
+            key = (versions, x.shape[1:], x.dtype)
         except RuntimeError:  # inference tensors have no version: fold every time
             key = None
         if key is None or key != self._key:

@@ -90,6 +90,40 @@ def pointwise_as_gemm(spec: Conv2dSpec, cpu: CpuInfo | None = None) -> bool:
     )
 
 
+# A conv with few output pixels (7x7: ResNet's last stage at 224x224) and much work runs as
+# one GEMM over the patches of all images, ``(N*OH*OW, R*S*C) @ W^T`` (ops/conv_ops.py
+# copies them): the blocked kernel's tile along the width and the per-image GEMM's 64-wide
+# panels of pixels are mostly padding there, and one panel leaves the second thread idle,
+# while the GEMM over patches has M = N*OH*OW rows and the weight's K as N. Measured through
+# the op (2 threads, AMD EPYC Zen 5, + bias + relu, 8 channels_last weights cycled as in a
+# model whose weights outgrow the L3, one process, torch = 1, conv kernel -> patches, the
+# copies included): batch 1, 7x7 2048->512 1x1 0.81 -> 1.08x, 512->2048 0.62 -> 0.98x,
+# 512->512 3x3 0.88 -> 1.26x; 14x14 -> 7x7 at stride 2 512->512 3x3 0.92 -> 1.28x,
+# 1024->2048 1x1 0.77 -> 1.02x; batch 8, 0.61 -> 0.86x, 0.84 -> 0.91x, 0.81 -> 0.96x, 0.72
+# -> 1.02x, 0.86 -> 1.06x. One weight, hot in cache: 0.78 -> 0.96x, 0.91 -> 0.89x, 1.21 ->
+# 1.23x at batch 1. With less work an image the copies and the short GEMM lose: MobileNetV2's
+# 7x7 convs (160->960, 960->160: 7.5 M multiply-adds) 1.08 -> 0.90x, 1.10 -> 0.71x; 3x3
+# 128->128 1.19 -> 1.08x; and below 2^25 hot weights lose too (320->1280 1.45 -> 1.29x, 3x3
+# 256->256 1.78 -> 1.55x) where cycled ones win (1.15 -> 1.33x, 1.29 -> 1.70x). At 14x14
+# (196 pixels) the copies cost what the GEMM gains (a prototype: 1024->256 1.08 -> 0.88x).
+PATCHES_GEMM_MAX_P = 64
+PATCHES_GEMM_MIN_WORK = 1 << 25  # multiply-adds per image (OH x OW x C x K x R x S)
+
+
+def patches_as_gemm(spec: Conv2dSpec) -> bool:
+    """Whether ops/conv_ops.py may run ``spec`` as one GEMM over its patches: fp32, groups
+    1, at most PATCHES_GEMM_MAX_P output pixels and PATCHES_GEMM_MIN_WORK multiply-adds an
+    image (ResNet's last stage)."""
+    p = spec.out_h * spec.out_w
+    work = p * spec.c * spec.k * spec.r * spec.s
+    return (
+        spec.dtype == "float32"
+        and spec.groups == 1
+        and p <= PATCHES_GEMM_MAX_P
+        and work >= PATCHES_GEMM_MIN_WORK
+    )
+
+
 def untuned_groups(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo | None = None) -> bool:
     """Whether a conv of these channels and groups runs the untuned "direct" kernel here:
     grouped, not depthwise, and K / groups not a whole number of channel vectors (a group
