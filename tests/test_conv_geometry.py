@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_close, randn
 
+from torch_tvm_gemm.kernels.conv2d import torch_activation
 from torch_tvm_gemm.ops import conv_ops, gemm_ops
 from torch_tvm_gemm.schedules import cpu_conv2d
 
@@ -143,7 +144,8 @@ def test_few_pixels_run_as_one_gemm_over_channels_last_patches(
     args = (list(stride), list(padding), list(dilation), 1)
     strided = randn(n, c, h, 2 * w)[..., ::2]  # (non-contiguous either way)
     for given in (x, x.to(memory_format=torch.channels_last), strided):
-        for activation, bias in (("relu", b), ("none", None), ("relu6", b)):
+        for activation, bias in (("relu", b), ("none", None), ("relu6", b), ("silu", b),
+                                 ("hardswish", None), ("leaky_relu_0.1", b)):  # fmt: skip
             expected = reference_conv(given, wt, bias, stride, padding, dilation, activation)
             got = op(given, wt, bias, *args, activation == "relu", activation)
             assert got.shape == expected.shape
@@ -157,8 +159,7 @@ def test_few_pixels_run_as_one_gemm_over_channels_last_patches(
 
 
 def reference_conv(x, w, b, stride, padding, dilation, activation):
-    y = F.conv2d(x, w, b, stride, padding, dilation)
-    return {"relu": F.relu, "relu6": F.relu6, "none": lambda t: t}[activation](y)
+    return torch_activation(activation)(F.conv2d(x, w, b, stride, padding, dilation))
 
 
 def test_contiguous_3x3_weight_or_more_pixels_stay_on_the_conv_kernel(monkeypatch):

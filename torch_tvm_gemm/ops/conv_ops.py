@@ -128,9 +128,10 @@ _MAX_GEOMETRIES = 4096
 def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, activation):
     """(output shape, kernel spec, route) of a valid CPU call; raises the checks' errors for
     an invalid one. The route: "gemm" (a GEMM per image), "patches" (one GEMM over the
-    patches of all images: few output pixels, see ``reads_patches``), "nhwc" (the bf16 implicit GEMM over
-    channels-last pixels, on AMX tiles or vdpbf16ps), "conv" (the conv kernel) or
-    "subsample" (a strided 1x1 conv: the same conv, stride 1, on the pixels it reads)."""
+    patches of all images: few output pixels, see ``reads_patches``), "nhwc" (the bf16
+    implicit GEMM over channels-last pixels, on AMX tiles or vdpbf16ps), "conv" (the conv
+    kernel) or "subsample" (a strided 1x1 conv: the same conv, stride 1, on the pixels it
+    reads)."""
     try:
         key = (
             x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
