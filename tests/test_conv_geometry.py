@@ -202,3 +202,22 @@ def test_the_patches_rule_takes_resnets_last_stage(c, k, size, r, stride, expect
     spec = conv_ops.conv2d_spec(x, w, None, stride, r // 2, 1, 1, True, device="cpu")
     assert cpu_conv2d.patches_as_gemm(spec) == expected
     assert not cpu_conv2d.patches_as_gemm(dataclasses.replace(spec, dtype="bfloat16"))
+
+
+def test_patches_of_a_large_batch_a_chunk_of_images_at_a_time(monkeypatch):
+    """Past PATCHES_MAX_BYTES of patches the GEMM runs a chunk of images at a time (here 2
+    images of 7x7 x 3x3 x 8 channels a chunk, 5 images): the same result."""
+    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
+    monkeypatch.setattr(conv_ops, "PATCHES_MAX_BYTES", 2 * 49 * 72 * 4 + 100)
+    rows = []
+    gemm_activated = conv_ops._gemm_activated
+    monkeypatch.setattr(
+        conv_ops,
+        "_gemm_activated",
+        lambda a, *rest: rows.append(a.shape[0]) or gemm_activated(a, *rest),
+    )
+    x, w, b = randn(5, 8, 7, 7), randn(16, 8, 3, 3).to(memory_format=torch.channels_last), randn(16)
+    got = op(x, w, b, [1, 1], [1, 1])
+    assert rows == [98, 98, 49]
+    assert_close(got, F.relu(F.conv2d(x, w, b, padding=1)), k=72)

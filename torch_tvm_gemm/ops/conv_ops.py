@@ -297,10 +297,16 @@ def _patches_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Ten
     return out
 
 
+# The patches of a 3x3 conv are 9 times its input: a large batch takes them a chunk of
+# images at a time, each chunk one GEMM (ResNet's 7x7 stage at batch 8: 1.6 MB of patches).
+PATCHES_MAX_BYTES = 32 << 20
+
+
 def _patches_product(x: Tensor, weight: Tensor, bias: Tensor | None, spec) -> Tensor:
-    """The conv as one GEMM over the patches of all images (``reads_patches``):
-    ``act(P @ W^T + bias)``, P's rows the (N*OH*OW) output pixels' inputs in the order of
-    the weight's memory, (R, S, C). Returns the (N*OH*OW, K) result."""
+    """The conv as one GEMM over the patches of all images (``reads_patches``), a chunk of
+    images at a time past PATCHES_MAX_BYTES: ``act(P @ W^T + bias)``, P's rows the
+    (N*OH*OW) output pixels' inputs in the order of the weight's memory, (R, S, C). Returns
+    the (N*OH*OW, K) result."""
     n, c, h, w = x.shape
     k, _, r, s = weight.shape
     top, left = spec.padding
@@ -316,10 +322,14 @@ def _patches_product(x: Tensor, weight: Tensor, bias: Tensor | None, spec) -> Te
     sizes = (n, spec.out_h, spec.out_w, r, s, c)
     strides = (sn, st_h * sh, st_w * sw, dl_h * sh, dl_w * sw, sc)
     patches = pixels.as_strided(sizes, strides, pixels.storage_offset())
-    patches = patches.reshape(n * spec.out_h * spec.out_w, r * s * c)
-    y = output_pool.empty((patches.shape[0], k), x.dtype, x.device)
+    p, taps = spec.out_h * spec.out_w, r * s * c
+    y = output_pool.empty((n * p, k), x.dtype, x.device)
     w_rsc = weight.permute(0, 2, 3, 1).reshape(k, -1)  # a view: 1x1 or channels_last
-    _gemm_activated(patches, w_rsc, "nk", bias, spec.activation, y, "n")
+    images = max(1, PATCHES_MAX_BYTES // (p * taps * x.element_size()))
+    for first in range(0, n, images):
+        last = min(n, first + images)
+        rows = patches[first:last].reshape((last - first) * p, taps)
+        _gemm_activated(rows, w_rsc, "nk", bias, spec.activation, y[first * p : last * p], "n")
     return y
 
 
