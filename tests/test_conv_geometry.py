@@ -221,3 +221,14 @@ def test_patches_of_a_large_batch_a_chunk_of_images_at_a_time(monkeypatch):
     got = op(x, w, b, [1, 1], [1, 1])
     assert rows == [98, 98, 49]
     assert_close(got, F.relu(F.conv2d(x, w, b, padding=1)), k=72)
+
+
+def test_opcheck_on_the_patches_route(monkeypatch):
+    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)
+    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
+    x = randn(2, 8, 7, 7).requires_grad_()
+    w = randn(16, 8, 3, 3).to(memory_format=torch.channels_last).requires_grad_()
+    args = (x, w, randn(16), [2, 2], [1, 1], [1, 1], 1, True, None)
+    spec = conv_ops.conv2d_spec(*args[:8])
+    assert conv_ops.reads_patches(spec, w)
+    torch.library.opcheck(op, args)
