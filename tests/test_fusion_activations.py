@@ -250,37 +250,3 @@ def test_fp32_fold_channels_last_where_few_pixels_and_refolded_for_another_size(
             folded = fused._folded[0]
             assert folded.is_contiguous(memory_format=torch.channels_last) == channels_last
             assert folded.is_contiguous() != channels_last
-
-
-def test_conv_module_keeps_its_weight_in_the_layout_the_op_reads(monkeypatch):
-    """Without a BN the op reads the module's own weight: where it reads a channels_last one
-    (fp32 at 7x7 pixels: the GEMM over patches) the weight is put so, in place (the same
-    Parameter, the same values), under no_grad and inference_mode; a write through ``.data``
-    is seen at once (nothing is cached); another image size puts it back; with gradients
-    recorded it is left as it is."""
-    from torch_tvm_gemm.ops import conv_ops
-    from torch_tvm_gemm.schedules import cpu_conv2d
-
-    monkeypatch.setattr(cpu_conv2d, "PATCHES_GEMM_MIN_WORK", 0)
-    monkeypatch.setattr(conv_ops, "_GEOMETRIES", {})
-    conv = nn.Conv2d(16, 24, 3, padding=1)
-    module = TVMConv2dBiasReLU.from_conv(conv)
-    weight, values = module.weight, conv.weight.detach().clone()
-    x7 = randn(2, 16, 7, 7)
-    module(x7.requires_grad_()).sum().backward()  # gradients recorded: left alone
-    assert module.weight.is_contiguous()
-    x7 = x7.detach()
-    with torch.inference_mode():
-        got = module(x7)
-    assert module.weight is weight and conv.weight is weight
-    assert weight.is_contiguous(memory_format=torch.channels_last) and torch.equal(weight, values)
-    assert_close(got, F.relu(conv(x7)), k=16 * 9)
-    with torch.no_grad():
-        weight.data.mul_(-1.0)  # not counted by torch: seen anyway (no copy is kept)
-        assert_close(module(x7), F.relu(conv(x7)), k=16 * 9)
-        x28 = randn(1, 16, 28, 28)
-        assert_close(module(x28), F.relu(conv(x28)), k=16 * 9)
-        assert weight.is_contiguous()
-    # the weight made under inference_mode is a normal tensor: autograd still works
-    module(x7.requires_grad_()).sum().backward()
-    assert weight.grad is not None

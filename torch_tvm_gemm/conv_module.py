@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .ops.conv_ops import weight_layout
-
 CONV_OP = torch.ops.tvm_gemm.conv2d_bias_relu
 
 
@@ -84,8 +82,6 @@ class TVMConv2dBiasReLU(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         unbatched = x.dim() == 3  # as nn.Conv2d: (C, H, W) is one image
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._keep_weight_in_read_layout(x.unsqueeze(0) if unbatched else x)
         y = CONV_OP(
             x.unsqueeze(0) if unbatched else x,
             self.weight,
@@ -98,26 +94,6 @@ class TVMConv2dBiasReLU(nn.Conv2d):
             self.activation,
         )
         return y.squeeze(0) if unbatched else y
-
-    def _keep_weight_in_read_layout(self, x: Tensor) -> None:
-        """Put the weight itself in the memory format the op reads in place for ``x``
-        (``conv_ops.weight_layout``: channels_last for the bf16 NHWC convs and the fp32
-        GEMM over patches, which else permute it at every call), as
-        ``model.to(memory_format=torch.channels_last)`` would: the same Parameter and
-        values, so nothing can go stale. Checked again when x's image size or the weight's
-        storage changes; left alone on other devices and where gradients are recorded. Measured (2 threads, AMD EPYC, batch 1, 8
-        weights cycled, torch = 1): bf16 3x3 512 -> 512 at 14x14 0.86 -> 1.17x, fp32 at 7x7
-        0.95 -> 1.25x."""
-        weight = self.weight
-        key = (x.shape[1:], x.dtype, weight.data_ptr())
-        if x.device.type != "cpu" or self.__dict__.get("_layout_checked_for") == key:
-            return
-        self.__dict__["_layout_checked_for"] = key
-        layout = weight_layout(x, weight, self.stride, self._op_padding, self.dilation,
-                               self.groups)  # fmt: skip
-        if not weight.is_contiguous(memory_format=layout):
-            with torch.inference_mode(False):  # (not an inference tensor under inference_mode)
-                weight.data = weight.data.contiguous(memory_format=layout)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", activation={self.activation!r}"
