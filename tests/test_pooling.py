@@ -99,3 +99,12 @@ def test_convert_puts_every_max_pool_channels_last():
     assert type(copied.body[2]) is ChannelsLastMaxPool2d
     buffer = io.BytesIO()
     torch.save(converted.state_dict(), buffer)
+
+
+def test_nan_and_inf_as_max_pool2d():
+    reference, ours = pools(kernel_size=3, stride=2, padding=1)
+    x = randn(2, 32, 12, 12)
+    x[0, 3, 2, 2], x[1, 7, 5, 5], x[1, 8, 0, 0] = float("nan"), float("-inf"), float("inf")
+    expected, got = reference(x), ours(x)
+    assert torch.equal(got.isnan(), expected.isnan()) and got.isnan().any()
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
