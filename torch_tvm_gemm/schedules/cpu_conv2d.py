@@ -111,13 +111,14 @@ PATCHES_GEMM_MIN_WORK = 1 << 25  # multiply-adds per image (OH x OW x C x K x R 
 
 
 def patches_as_gemm(spec: Conv2dSpec) -> bool:
-    """Whether ops/conv_ops.py may run ``spec`` as one GEMM over its patches: fp32, groups
-    1, at most PATCHES_GEMM_MAX_P output pixels and PATCHES_GEMM_MIN_WORK multiply-adds an
-    image (ResNet's last stage)."""
+    """Whether ops/conv_ops.py may run ``spec`` as one GEMM over its patches: on the CPU,
+    fp32, groups 1, at most PATCHES_GEMM_MAX_P output pixels and PATCHES_GEMM_MIN_WORK
+    multiply-adds an image (ResNet's last stage)."""
     p = spec.out_h * spec.out_w
     work = p * spec.c * spec.k * spec.r * spec.s
     return (
-        spec.dtype == "float32"
+        spec.device == "cpu"
+        and spec.dtype == "float32"
         and spec.groups == 1
         and p <= PATCHES_GEMM_MAX_P
         and work >= PATCHES_GEMM_MIN_WORK
