@@ -275,12 +275,8 @@ def _nhwc_product(x: Tensor, weight: Tensor, bias: Tensor | None, spec) -> Tenso
     kernel = get_kernel(spec)
     sync_threads()
     n, k = x.shape[0], weight.shape[0]
-    x_nhwc = x.permute(0, 2, 3, 1)
     padding = nhwc_kernel(spec).input_padding(spec)  # read in place: zero borders around it
-    if padding is not None and any(padding):
-        top, bottom, left, right = padding
-        x_nhwc = torch.nn.functional.pad(x_nhwc, (0, 0, left, right, top, bottom))
-    x_nhwc = x_nhwc.contiguous()
+    x_nhwc = _nhwc_pixels(x, *(padding or (0, 0, 0, 0))).contiguous()
     w_ohwi = weight.permute(0, 2, 3, 1).reshape(k, -1).contiguous()
     y = torch.empty((n * spec.out_h * spec.out_w, k), dtype=x.dtype, device=x.device)
     args = [aligned(x_nhwc), aligned(w_ohwi)] + (
@@ -288,6 +284,14 @@ def _nhwc_product(x: Tensor, weight: Tensor, bias: Tensor | None, spec) -> Tenso
     )
     kernel(*args, y)
     return y
+
+
+def _nhwc_pixels(x: Tensor, top: int, bottom: int, left: int, right: int) -> Tensor:
+    """x's pixels as (N, H, W, C): a view, or a channels-last copy inside zero borders."""
+    pixels = x.permute(0, 2, 3, 1)
+    if top or bottom or left or right:
+        pixels = torch.nn.functional.pad(pixels, (0, 0, left, right, top, bottom))
+    return pixels
 
 
 def _patches_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec, out: Tensor):
@@ -307,14 +311,10 @@ def _patches_product(x: Tensor, weight: Tensor, bias: Tensor | None, spec) -> Te
     images at a time past PATCHES_MAX_BYTES: ``act(P @ W^T + bias)``, P's rows the
     (N*OH*OW) output pixels' inputs in the order of the weight's memory, (R, S, C). Returns
     the (N*OH*OW, K) result."""
-    n, c, h, w = x.shape
+    n, c = x.shape[:2]
     k, _, r, s = weight.shape
     top, left = spec.padding
-    pixels = x.permute(0, 2, 3, 1)  # (N, H, W, C), zero borders copied around it if padded
-    if top or left:
-        padded = x.new_zeros((n, h + 2 * top, w + 2 * left, c))
-        padded[:, top : top + h, left : left + w].copy_(pixels)
-        pixels = padded
+    pixels = _nhwc_pixels(x, top, top, left, left)
     # A view of the patches over the pixels' storage: (n, oh, ow) the output pixel, then
     # (r, s, c) the weight's order; the reshape copies it (except a 1x1 over NHWC pixels).
     sn, sh, sw, sc = pixels.stride()
