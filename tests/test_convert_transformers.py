@@ -236,3 +236,26 @@ def test_bench_models_ratio_summary():
     assert summary["float32"] == pytest.approx((1.0, 0.5))
     assert summary["bfloat16"] == pytest.approx((8.0, 8.0))
     assert summary["all"] == pytest.approx((2.0, 0.5))
+
+
+def test_bench_models_alone(tmp_path, monkeypatch):
+    """``--alone`` times each side in a child process of its own and reports both ways; a
+    child that fails is an error naming the row, not a missing number."""
+    from types import SimpleNamespace
+
+    from torch_tvm_gemm.__main__ import main
+    from torch_tvm_gemm.cli import bench_models_alone
+
+    monkeypatch.setattr(bench_models_alone, "ALONE_RUNS", 1)
+    out = tmp_path / "models.json"
+    argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
+    assert main([*argv, "--reps", "1", "--rounds", "1", "--alone", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["alone_eager_s"] > 0 and row["alone_converted_s"] > 0
+    assert row["alone_ratio"] == pytest.approx(row["alone_eager_s"] / row["alone_converted_s"])
+    assert result["alone_by_dtype"]["all"] == pytest.approx([row["alone_ratio"]] * 2)
+
+    args = SimpleNamespace(seq=8, image=32, layers=1, reps=1, rounds=1, threads=None)
+    with pytest.raises(RuntimeError, match="the eager process for no-such-model"):
+        bench_models_alone.time_alone("no-such-model", "float32", 1, args)

@@ -7,7 +7,9 @@ alternating rounds, best of each), their ratio (above 1: converted faster), laye
 ops / found, max error vs eager relative to the output's largest value, and the first call
 after ``convert`` (kernel builds or cache loads included). With ``--decode STEPS`` the decoder
 models (GPT-2, LLaMA) also get a "decode" row: seconds per generated token on a KV cache
-after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. Needs ``pip install
+after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. With ``--alone``
+each row is also timed with eager and converted each in a process of its own, as a user's
+script runs one model (``bench_models_alone`` says why that can differ). Needs ``pip install
 torch_tvm_gemm[models]`` (transformers).
 """
 
@@ -17,6 +19,8 @@ import copy
 import json
 import math
 import time
+
+from . import bench_models_alone
 
 MODELS = ("bert", "gpt2", "llama", "resnet50", "mobilenet")
 DECODERS = ("gpt2", "llama")  # the models with a KV cache
@@ -45,6 +49,7 @@ def register(sub) -> None:
         metavar="STEPS",
         help="also time STEPS one-token calls on a KV cache (GPT-2, LLaMA): per token",
     )
+    bench_models_alone.add_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart of the ratios (matplotlib)")
     p.set_defaults(func=run)
@@ -126,6 +131,8 @@ def run(args) -> int:
     except ImportError:
         print("bench-models needs transformers: pip install 'torch_tvm_gemm[models]'")
         return 1
+    if args.side:
+        return bench_models_alone.run_side(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -136,7 +143,9 @@ def run(args) -> int:
         f"{'layers':>9} {'max err':>8} {'1st call s':>10}"
     )
     print(f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster)")
-    print(header + (f" {'cmp(eager)':>10} {'cmp(conv)':>10}" if args.compile else ""))
+    extra = f" {'cmp(eager)':>10} {'cmp(conv)':>10}" if args.compile else ""
+    extra += f" {'alone ratio':>11}" if args.alone else ""
+    print(header + extra)
     for name in args.models:
         for dtype_name in args.dtype:
             dtype = getattr(torch, dtype_name)
@@ -188,39 +197,51 @@ def run(args) -> int:
                     "first_call_s": call_s,
                     "convert_s": convert_s,
                 }
-                compiled = ""
+                columns = ""
                 if args.compile:
                     row |= {"compiled_eager_s": t_c_eager, "compiled_converted_s": t_c_conv}
-                    compiled = f" {t_c_eager * 1e3:10.2f} {t_c_conv * 1e3:10.2f}"
+                    columns = f" {t_c_eager * 1e3:10.2f} {t_c_conv * 1e3:10.2f}"
+                if args.alone:
+                    a_eager, a_conv = bench_models_alone.time_alone(name, dtype_name, batch, args)
+                    row |= {"alone_eager_s": a_eager, "alone_converted_s": a_conv}
+                    row["alone_ratio"] = a_eager / a_conv
+                    columns += f" {row['alone_ratio']:11.2f}"
                 rows.append(row)
                 print(
                     f"{name:<12} {dtype_name:<9} {batch:>5} {t_eager * 1e3:9.2f} "
                     f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} "
                     f"{f'{summary.converted()}/{summary.found()}':>9} {err:8.1e} {call_s:10.2f}"
-                    + compiled
+                    + columns
                 )
                 if args.decode and name in DECODERS:
                     rows.append(decode_row(eager, converted, inputs, args, row))
     summary = ratio_summary(rows)
     means = (f"{key} {geomean:.2f} ({lowest:.2f})" for key, (geomean, lowest) in summary.items())
     print("geometric mean ratio (lowest): " + ", ".join(means))
+    alone = ratio_summary(rows, "alone_ratio") if args.alone else None
+    if alone:
+        means = (f"{key} {geomean:.2f} ({lowest:.2f})" for key, (geomean, lowest) in alone.items())
+        print("each side in a process of its own: " + ", ".join(means))
     if args.png:
         plot(rows, args.png, torch.get_num_threads())
     if args.json:
         with open(args.json, "w") as f:
             result = {"threads": torch.get_num_threads(), "rows": rows}
             result |= {"geomean": summary["all"][0], "by_dtype": summary}
+            if alone:
+                result["alone_by_dtype"] = alone
             json.dump(result, f, indent=1)
     return 0
 
 
-def ratio_summary(rows: list[dict]) -> dict[str, tuple[float, float]]:
-    """(geometric mean, lowest) of the eager / converted ratios: "all" rows, then each dtype's
-    rows on their own (the fp32 and bf16 targets are separate: one mean over both hides a
-    weak fp32 behind bf16's larger ratios)."""
-    groups = {"all": [r["ratio"] for r in rows]}
+def ratio_summary(rows: list[dict], column: str = "ratio") -> dict[str, tuple[float, float]]:
+    """(geometric mean, lowest) of the eager / converted ratios (``column`` of the rows that
+    have it): "all" rows, then each dtype's rows on their own (the fp32 and bf16 targets are
+    separate: one mean over both hides a weak fp32 behind bf16's larger ratios)."""
+    rows = [row for row in rows if column in row]
+    groups = {"all": [r[column] for r in rows]}
     for row in rows:
-        groups.setdefault(row["dtype"], []).append(row["ratio"])
+        groups.setdefault(row["dtype"], []).append(row[column])
     nan = float("nan")
     return {
         key: (math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else nan,
@@ -250,7 +271,8 @@ def decode_row(eager, converted, inputs: dict, args, prefill: dict) -> dict:
         "max_rel_err": err,
         "first_call_s": None,
     }
-    for key in ("compiled_eager_s", "compiled_converted_s"):
+    for key in ("compiled_eager_s", "compiled_converted_s", "alone_eager_s", "alone_converted_s",
+                "alone_ratio"):  # fmt: skip
         row.pop(key, None)
     label = f"{row['model']}-decode"
     layers = f"{row['converted_layers']}/{row['found_layers']}"
