@@ -56,7 +56,8 @@ def register(sub) -> None:
 
 
 def build(name: str, layers: int):
-    """(model in eval mode, input maker ``(batch, seq, image) -> kwargs``) for ``name``."""
+    """(model in eval mode, input maker ``(batch, seq, image, dtype) -> kwargs``) for ``name``
+    (``dtype``: the CNNs' pixels, the model's dtype; token ids stay integers)."""
     import torch
     import transformers
 
@@ -85,9 +86,9 @@ def build(name: str, layers: int):
         model = transformers.MobileNetV2Model(transformers.MobileNetV2Config())
     if name in ("bert", "gpt2", "llama"):
         vocab = model.config.vocab_size
-        text["make"] = lambda b, s, i: {"input_ids": torch.randint(0, vocab, (b, s))}
+        text["make"] = lambda b, s, i, dtype: {"input_ids": torch.randint(0, vocab, (b, s))}
     else:
-        text["make"] = lambda b, s, i: {"pixel_values": torch.randn(b, 3, i, i)}
+        text["make"] = lambda b, s, i, dtype: {"pixel_values": torch.randn(b, 3, i, i).to(dtype)}
     return model.eval(), text["make"]
 
 
@@ -158,9 +159,7 @@ def run(args) -> int:
             summary = converted.conversion_summary
             first_call = None
             for batch in args.batch:
-                inputs = make(batch, args.seq, args.image)
-                if inputs.get("pixel_values") is not None:
-                    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                inputs = make(batch, args.seq, args.image, dtype)
                 with torch.no_grad():
                     start = time.perf_counter()
                     got = first_tensor(converted(**inputs))

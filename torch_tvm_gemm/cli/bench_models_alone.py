@@ -69,6 +69,9 @@ def run_side(args) -> int:
     from ..measure import mean_call, time_interleaved
     from .bench_models import build
 
+    if len(args.models) != 1 or len(args.dtype) != 1 or len(args.batch) != 1:
+        print("bench-models --side: one model, one dtype and one batch size (it times one row)")
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -78,9 +81,7 @@ def run_side(args) -> int:
     model = model.to(dtype)
     if args.side == "converted":
         tg.convert(model)
-    inputs = make(batch, args.seq, args.image)
-    if inputs.get("pixel_values") is not None:
-        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    inputs = make(batch, args.seq, args.image, dtype)
     with torch.no_grad():
         (seconds,) = time_interleaved(
             [lambda: model(**inputs)], args.rounds, sample=lambda fn: mean_call(fn, args.reps)
