@@ -133,7 +133,7 @@ def run(args) -> int:
         print("bench-models needs transformers: pip install 'torch_tvm_gemm[models]'")
         return 1
     if args.side:
-        return bench_models_alone.run_side(args)
+        return bench_models_alone.run_side(args, build)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()

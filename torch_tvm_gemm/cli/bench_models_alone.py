@@ -59,15 +59,15 @@ def _child(side: str, name: str, dtype_name: str, batch: int, args) -> float:
     return json.loads(lines[-1])["seconds"]
 
 
-def run_side(args) -> int:
-    """The child: one model on one side, timed as ``bench-models`` times it (warm-up call,
-    best of ``--rounds`` rounds of ``--reps`` calls); prints ``{"seconds": ...}``."""
+def run_side(args, build) -> int:
+    """The child: one model (``build(name, layers)``: bench_models' maker) on one side, timed
+    as ``bench-models`` times it (warm-up call, best of ``--rounds`` rounds of ``--reps``
+    calls); prints ``{"seconds": ...}``."""
     import torch
 
     import torch_tvm_gemm as tg
 
     from ..measure import mean_call, time_interleaved
-    from .bench_models import build
 
     if len(args.models) != 1 or len(args.dtype) != 1 or len(args.batch) != 1:
         print("bench-models --side: one model, one dtype and one batch size (it times one row)")
