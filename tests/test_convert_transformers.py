@@ -249,7 +249,10 @@ def test_bench_models_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_models_alone, "ALONE_RUNS", 1)
     out = tmp_path / "models.json"
     argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
-    assert main([*argv, "--reps", "1", "--rounds", "1", "--alone", "--json", str(out)]) == 0
+    png = tmp_path / "models.png"
+    argv += ["--reps", "1", "--rounds", "1", "--alone", "--json", str(out), "--png", str(png)]
+    assert main(argv) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"  # (both bars of the row)
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["alone_eager_s"] > 0 and row["alone_converted_s"] > 0

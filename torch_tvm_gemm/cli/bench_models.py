@@ -283,7 +283,8 @@ def decode_row(eager, converted, inputs: dict, args, prefill: dict) -> dict:
 
 
 def plot(rows: list[dict], path: str, threads: int) -> None:
-    """One bar per (model, dtype, batch): eager time / converted time, 1.0 as a line."""
+    """One bar per (model, dtype, batch): eager time / converted time, 1.0 as a line; with
+    ``--alone`` ratios, a second (hatched) bar beside each: each side in its own process."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file only
@@ -295,8 +296,18 @@ def plot(rows: list[dict], path: str, threads: int) -> None:
         for r in rows
     ]
     ratios = [r["ratio"] for r in rows]
+    alone = [r.get("alone_ratio") for r in rows]
+    width = 0.4 if any(alone) else 0.8
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
-    ax.bar(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    colors = ["tab:green" if x >= 1 else "tab:red" for x in ratios]
+    ax.bar([i - width / 2 * bool(any(alone)) for i in range(len(rows))], ratios, width,
+           color=colors, label="one process")  # fmt: skip
+    if any(alone):
+        at = [i + width / 2 for i, x in enumerate(alone) if x is not None]
+        shown = [x for x in alone if x is not None]
+        ax.bar(at, shown, width, color=["tab:green" if x >= 1 else "tab:red" for x in shown],
+               hatch="//", alpha=0.6, label="each side alone")  # fmt: skip
+        ax.legend(fontsize=7)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("eager / converted (above 1: faster)")
