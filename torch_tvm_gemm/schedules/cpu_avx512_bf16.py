@@ -11,7 +11,8 @@ ran at 0.56-0.78x eager in bf16 on an AMD EPYC (Zen 5), against 1.9-2.6x in fp32
 32 columns ``n``, two vectors) and A's pair ``(A[m, 2 k2], A[m, 2 k2 + 1])``, one 32-bit
 word read in place, broadcast to the 16 lanes, one instruction is 16 columns x 2 values of
 K for one row. The register tile: MR rows x 32 columns, 2 MR accumulators, 2 vector loads
-of the panel and MR broadcasts per pair of K. Parallel over the panels: each task packs its
+of the panel and MR broadcasts per pair of K (the last block of rows a tail tile of 4 or 8
+rows where that covers it: ``TAIL_ROWS``). Parallel over the panels: each task packs its
 panel once, then runs every MR-row block of A over it, a chunk of K at a time where the
 panel outgrows the L1 (the sums kept in memory between chunks), while the next panel of B
 is prefetched.
