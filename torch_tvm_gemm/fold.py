@@ -10,8 +10,9 @@ bumps the tensor's version), in the memory format the op reads in place
 every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward on an AMD
 EPYC; and for the fp32 convs with few output pixels, a GEMM over channels-last patches;
 an input of another image size folds again). A write that torch does not count (through
-``tensor.data`` or a numpy view of it) is not seen: call ``refold()`` after one. (Folding at every call instead
-would cost a pass over the weight per call, as much as the conv's own pack.) Under
+``tensor.data`` or a numpy view of it) is not seen: call ``refold()`` after one. (Folding
+at every call instead would cost a pass over the weight per call, as much as the conv's own
+pack.) Under
 ``torch.compile`` the fold is part of the graph, computed at every call (inductor fuses it
 into one pass over the weight). With gradients
 wanted the fold is done with autograd on every call, so the
