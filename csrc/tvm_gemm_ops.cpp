@@ -521,6 +521,227 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // ---------------------------------------------------------------------------------------------
+// The conv op (mirrors conv_ops._conv2d_impl for the calls it runs most in a model).
+//
+// Python decides everything about a conv call from its geometry (conv_ops._checked_geometry:
+// the checks, the route, the kernel), once per geometry. We keep that decision per geometry
+// too, so that a repeated call does not enter Python at all: "conv" (the conv kernel on an NCHW
+// x, called here), "linear" (a 1x1 conv with one output pixel: the linear GEMM over that pixel),
+// or "python" (every other route, and empty outputs: conv_ops._conv2d_impl, called through
+// pybind). Python answers a miss with conv_ops.cpp_route, which raises the checks' error for
+// a bad call. Why: the Python impl costs ~8 us a call hot, ~20 us between a model's other ops
+// (RegNetY-400MF's squeeze-and-excitation convs, batch 1), where its kernels take 1-100 us.
+
+enum class ConvRoute : int8_t { kPython = 0, kConv = 1, kLinear = 2 };
+
+// Everything _checked_geometry's answer depends on. A call whose tensors are not 4-D (bias:
+// 1-D) or whose lists are not 1 or 2 long has no key: it goes to Python, which says why.
+struct ConvKey {
+  std::array<int64_t, 4> x{}, w{};
+  std::array<int64_t, 6> lists{};  // stride, padding, dilation: two values each
+  int64_t list_lengths = 0;        // their lengths, two bits each
+  int64_t groups = 0;
+  int64_t bias_size = -1;          // -1: no bias
+  at::ScalarType x_dtype{}, w_dtype{}, b_dtype{};
+  c10::DeviceType w_device{}, b_device{};
+  int8_t x_layout = 0;  // 0 contiguous, 1 channels_last only, 2 neither
+  bool w_channels_last = false;
+  bool relu = false;
+  bool has_activation = false;
+  std::string activation;
+
+  bool operator==(const ConvKey& o) const {
+    return x == o.x && w == o.w && lists == o.lists && list_lengths == o.list_lengths &&
+           groups == o.groups && bias_size == o.bias_size && x_dtype == o.x_dtype &&
+           w_dtype == o.w_dtype && b_dtype == o.b_dtype && w_device == o.w_device &&
+           b_device == o.b_device && x_layout == o.x_layout &&
+           w_channels_last == o.w_channels_last && relu == o.relu &&
+           has_activation == o.has_activation && activation == o.activation;
+  }
+};
+
+struct ConvKeyHash {
+  size_t operator()(const ConvKey& key) const {
+    size_t h = std::hash<std::string>()(key.activation);
+    auto mix = [&h](uint64_t v) {
+      h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    };
+    for (int64_t v : key.x) mix(static_cast<uint64_t>(v));
+    for (int64_t v : key.w) mix(static_cast<uint64_t>(v));
+    for (int64_t v : key.lists) mix(static_cast<uint64_t>(v));
+    mix(static_cast<uint64_t>(key.list_lengths));
+    mix(static_cast<uint64_t>(key.groups));
+    mix(static_cast<uint64_t>(key.bias_size));
+    mix((static_cast<uint64_t>(key.x_dtype) << 16) | (static_cast<uint64_t>(key.w_dtype) << 8) |
+        static_cast<uint64_t>(key.b_dtype));
+    mix((static_cast<uint64_t>(key.w_device) << 8) | static_cast<uint64_t>(key.b_device));
+    mix(static_cast<uint64_t>(key.x_layout) | (key.w_channels_last ? 4u : 0u) |
+        (key.relu ? 8u : 0u) | (key.has_activation ? 16u : 0u));
+    return h;
+  }
+};
+
+struct ConvPlan {
+  ConvRoute route = ConvRoute::kPython;
+  tvm::ffi::Function kernel;  // kConv
+  std::array<int64_t, 4> out{};
+  int activation = 0;  // kLinear: the linear op's activation (index into g_config.activations)
+};
+
+using ConvTable = std::unordered_map<ConvKey, ConvPlan, ConvKeyHash>;
+
+// Leaked, as table(): its handles point into loaded kernel libraries.
+ConvTable& conv_table() {
+  static auto* t = new ConvTable();
+  return *t;
+}
+
+bool put_list(ConvKey& key, c10::IntArrayRef list, int slot) {
+  if (list.size() != 1 && list.size() != 2) return false;
+  key.lists[2 * slot] = list[0];
+  key.lists[2 * slot + 1] = list.back();
+  key.list_lengths |= static_cast<int64_t>(list.size()) << (2 * slot);
+  return true;
+}
+
+std::optional<ConvKey> conv_key(const at::Tensor& x, const at::Tensor& w,
+                                const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                int64_t groups, bool relu,
+                                const std::optional<c10::string_view>& activation) {
+  if (x.dim() != 4 || w.dim() != 4 || (bias.has_value() && bias->dim() != 1)) return std::nullopt;
+  ConvKey key;
+  std::copy(x.sizes().begin(), x.sizes().end(), key.x.begin());
+  std::copy(w.sizes().begin(), w.sizes().end(), key.w.begin());
+  if (!put_list(key, stride, 0) || !put_list(key, padding, 1) || !put_list(key, dilation, 2)) {
+    return std::nullopt;
+  }
+  key.groups = groups;
+  key.x_dtype = x.scalar_type();
+  key.w_dtype = w.scalar_type();
+  key.w_device = w.device().type();
+  if (bias.has_value()) {
+    key.bias_size = bias->size(0);
+    key.b_dtype = bias->scalar_type();
+    key.b_device = bias->device().type();
+  }
+  key.x_layout = x.is_contiguous() ? 0 : x.is_contiguous(at::MemoryFormat::ChannelsLast) ? 1 : 2;
+  key.w_channels_last = w.is_contiguous(at::MemoryFormat::ChannelsLast);
+  key.relu = relu;
+  key.has_activation = activation.has_value();
+  if (activation.has_value()) key.activation = std::string(*activation);
+  return key;
+}
+
+std::vector<int64_t> to_vector(c10::IntArrayRef list) { return {list.begin(), list.end()}; }
+
+std::optional<std::string> to_string(const std::optional<c10::string_view>& s) {
+  if (!s.has_value()) return std::nullopt;
+  return std::string(*s);
+}
+
+// Python's plan for a new geometry (conv_ops.cpp_route); raises its checks' error for a bad call.
+ConvPlan conv_miss(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                   c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                   int64_t groups, bool relu, const std::optional<c10::string_view>& activation) {
+  ConvPlan plan;
+  int64_t kernel_id = -1;
+  {
+    py::gil_scoped_acquire gil;
+    const py::tuple answer = py::module_::import("torch_tvm_gemm.ops.conv_ops")
+                                 .attr("cpp_route")(x, w, bias, to_vector(stride),
+                                                    to_vector(padding), to_vector(dilation),
+                                                    groups, relu, to_string(activation))
+                                 .cast<py::tuple>();
+    const std::string route = answer[0].cast<std::string>();
+    const std::vector<int64_t> out = answer[1].cast<std::vector<int64_t>>();
+    TORCH_CHECK(out.size() == 4, "tvm_gemm: internal error: a conv output of rank ", out.size());
+    std::copy(out.begin(), out.end(), plan.out.begin());
+    kernel_id = answer[2].cast<int64_t>();
+    if (route == "conv" && find_dtype(x.scalar_type()) != nullptr) {
+      plan.route = ConvRoute::kConv;
+    } else if (route == "linear") {
+      plan.route = ConvRoute::kLinear;
+      plan.activation = find_activation(answer[3].cast<std::string>());
+      TORCH_CHECK(plan.activation >= 0, "tvm_gemm: internal error: an unknown linear activation");
+    }
+  }
+  if (plan.route == ConvRoute::kConv) {
+    // (outside our GIL scope: the global function is Python's and takes the GIL itself)
+    tvm::ffi::Function get = tvm::ffi::Function::GetGlobalRequired("tvm_gemm.conv_kernel");
+    plan.kernel = get(kernel_id).cast<tvm::ffi::Function>();
+  }
+  return plan;
+}
+
+at::Tensor conv2d_python(const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                         c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                         bool relu, const std::optional<c10::string_view>& activation) {
+  py::gil_scoped_acquire gil;
+  py::object y = py::module_::import("torch_tvm_gemm.ops.conv_ops")
+                     .attr("_conv2d_impl")(x, w, bias, to_vector(stride), to_vector(padding),
+                                           to_vector(dilation), groups, relu, to_string(activation));
+  return y.cast<at::Tensor>();
+}
+
+at::Tensor conv2d_impl(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                       c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                       bool relu, std::optional<c10::string_view> activation) {
+  const std::optional<ConvKey> key =
+      conv_key(x, weight, bias, stride, padding, dilation, groups, relu, activation);
+  if (!key.has_value()) {
+    return conv2d_python(x, weight, bias, stride, padding, dilation, groups, relu, activation);
+  }
+  ConvPlan plan;
+  bool found = false;
+  {
+    std::shared_lock<std::shared_mutex> lock(table_mutex());
+    auto it = conv_table().find(*key);
+    if (it != conv_table().end()) {
+      plan = it->second;
+      found = true;
+    }
+  }
+  if (!found) {  // (our lock not held: the miss takes the GIL, see lookup_kernel)
+    plan = conv_miss(x, weight, bias, stride, padding, dilation, groups, relu, activation);
+    std::unique_lock<std::shared_mutex> lock(table_mutex());
+    conv_table().emplace(*key, plan);
+  }
+  if (plan.route == ConvRoute::kPython) {
+    return conv2d_python(x, weight, bias, stride, padding, dilation, groups, relu, activation);
+  }
+  at::Tensor out = empty_output(plan.out, x.options());
+  if (plan.route == ConvRoute::kLinear) {  // (written into the output: never a view of a result)
+    const int64_t n = x.size(0), c = x.size(1), k = weight.size(0);
+    gemm(x.select(3, 0).select(2, 0), weight.reshape({k, c}), /*b_nk=*/true, bias,
+         plan.activation, /*static_k=*/true, out.view({n, k}));
+    return out;
+  }
+  const DtypeInfo& dtype = *find_dtype(x.scalar_type());
+  sync_threads();
+  // The kernel reads the weight as it lies and packs it at every call (conv_ops says why).
+  const at::Tensor xc = aligned(x.contiguous());
+  const at::Tensor wc = aligned(weight.contiguous());
+  DLTensor dl_x = dl_view(xc, dtype);
+  DLTensor dl_w = dl_view(wc, dtype);
+  DLTensor dl_out = dl_view(out, dtype);  // fresh, hence aligned
+  try {
+    if (bias.has_value()) {
+      const at::Tensor bc = aligned(bias->contiguous());
+      DLTensor dl_b = dl_view(bc, dtype);
+      plan.kernel(&dl_x, &dl_w, &dl_b, &dl_out);
+    } else {
+      plan.kernel(&dl_x, &dl_w, &dl_out);
+    }
+  } catch (const tvm::ffi::Error& err) {
+    rethrow_ffi_error(err, "the TVM kernel failed");
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The autograd fast path.
 //
 // ops/gemm_ops.py registers the autograd formulas (func_autograd.py): a *Python*
@@ -597,7 +818,7 @@ class LinearFastPath {
   c10::TypedOperatorHandle<Signature> op_;
 };
 
-// The same for any op, boxed: the conv op (its CPU impl is Python anyway).
+// The same for any op, boxed: the conv op (its many arguments; its calls are not 16x16).
 class BoxedFastPath final : public c10::OperatorKernel {
  public:
   explicit BoxedFastPath(AutogradKernels kernels) : kernels_(std::move(kernels)) {}
@@ -634,10 +855,9 @@ std::vector<std::unique_ptr<torch::Library>>& autograd_registrations() {
   return *libs;
 }
 
-// The ops whose Python autograd kernel gets the C++ fast path in front. The conv op's CPU impl
-// stays in Python (ops/conv_ops.py), but its calls still pass the Autograd key first: without
-// grad the fast path saves its Python kernel (measured: a 1x1 conv on 7x7 pixels, fp32, 25.5
-// -> 19.7 us a call, against 10.5-11.2 us for F.relu(F.conv2d)).
+// The ops whose Python autograd kernel gets the C++ fast path in front. For the conv op too:
+// without grad it saves the Python kernel (measured, when its CPU impl was Python: a 1x1 conv
+// on 7x7 pixels, fp32, 25.5 -> 19.7 us a call, against 10.5-11.2 us for F.relu(F.conv2d)).
 
 // The C++ autograd kernel for one backend's autograd key, in front of the Python one.
 void register_autograd_fast_path(c10::DispatchKey autograd_key) {
@@ -725,6 +945,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                                                      c10::DispatchKey::CPU, __FILE__, __LINE__);
   registrations()->impl("matmul", TORCH_FN(matmul_impl));
   registrations()->impl("linear", TORCH_FN(linear_impl));
+  registrations()->impl("conv2d_bias_relu", TORCH_FN(conv2d_impl));
   if (autograd_fast_path) {
     register_autograd_fast_path(c10::DispatchKey::AutogradCPU);
   }
@@ -738,6 +959,7 @@ void unregister_impls() {
 void clear_table() {
   std::unique_lock<std::shared_mutex> lock(table_mutex());
   table().clear();
+  conv_table().clear();
 }
 
 // The variant name the table key of a CPU (m, n, k) product holds (for tests: it must agree
@@ -753,6 +975,11 @@ std::string key_variant(int64_t m, int64_t n, int64_t k, const std::string& b_la
 int64_t table_size() {
   std::shared_lock<std::shared_mutex> lock(table_mutex());
   return static_cast<int64_t>(table().size());
+}
+
+int64_t conv_table_size() {
+  std::shared_lock<std::shared_mutex> lock(table_mutex());
+  return static_cast<int64_t>(conv_table().size());
 }
 
 }  // namespace
@@ -779,6 +1006,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch_keys", &tvm_gemm::dispatch_keys, "Dispatch keys the C++ impls cover.");
   m.def("clear_table", &tvm_gemm::clear_table, "Forget every cached kernel handle.");
   m.def("table_size", &tvm_gemm::table_size, "Number of cached kernel handles.");
+  m.def("conv_table_size", &tvm_gemm::conv_table_size, "Number of conv geometries planned.");
   m.def("key_variant", &tvm_gemm::key_variant, py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("b_layout"), py::arg("dtype") = "float32", py::arg("static_k") = true,
         "The variant of the kernel-table key of a CPU (m, n, k) product.");

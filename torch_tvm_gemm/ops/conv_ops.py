@@ -17,7 +17,12 @@ from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime import output_pool
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
-from ..schedules.cpu_conv2d import nhwc_kernel, patches_as_gemm, pointwise_as_gemm
+from ..schedules.cpu_conv2d import (
+    nhwc_kernel,
+    one_pixel_as_linear,
+    patches_as_gemm,
+    pointwise_as_gemm,
+)
 from .checks import (
     CONV,
     DTYPE_NAMES,
@@ -97,6 +102,8 @@ def _conv2d_impl(
     out = output_pool.empty(shape, x.dtype, x.device)
     if out.numel() == 0:  # (no input channels included: check_conv2d)
         return out
+    if route == "linear":
+        return _one_pixel_conv(x, weight, bias, spec.activation, out)
     if route == "gemm":
         return _pointwise_conv(x, weight, bias, spec.activation, out)
     if route == "nhwc":
@@ -127,7 +134,8 @@ _MAX_GEOMETRIES = 4096
 
 def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, activation):
     """(output shape, kernel spec, route) of a valid CPU call; raises the checks' errors for
-    an invalid one. The route: "gemm" (a GEMM per image), "patches" (one GEMM over the
+    an invalid one. The route: "linear" (one output pixel of a 1x1 conv: the linear op),
+    "gemm" (a GEMM per image), "patches" (one GEMM over the
     patches of all images: few output pixels, see ``reads_patches``), "nhwc" (the bf16
     implicit GEMM over channels-last pixels, on AMX tiles or vdpbf16ps), "conv" (the conv
     kernel) or "subsample" (a strided 1x1 conv: the same conv, stride 1, on the pixels it
@@ -149,7 +157,9 @@ def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, 
     if math.prod(shape) == 0:  # no kernel runs: nothing to choose
         return shape, None, "conv"
     spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, None, activation)
-    if reads_patches(spec, weight):
+    if one_pixel_as_linear(spec):
+        route = "linear"
+    elif reads_patches(spec, weight):
         route = "patches"
     elif strided_pointwise(spec):
         route = "subsample"
@@ -251,6 +261,15 @@ def _subsampled(x: Tensor, spec: Conv2dSpec) -> Tensor:
     """The input pixels a strided 1x1 conv reads (a view; the route copies it)."""
     sh, sw = spec.stride
     return x[:, :, ::sh, ::sw]
+
+
+def _one_pixel_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, out: Tensor):
+    """A 1x1 conv with one output pixel (``one_pixel_as_linear``) as a linear layer over the
+    pixel it reads, ``out = act(x[:, :, 0, 0] @ W^T + bias)`` (the linear op's kernel)."""
+    n, c = x.shape[:2]
+    k = weight.shape[0]
+    _gemm_activated(x[:, :, 0, 0], weight.reshape(k, c), "nk", bias, act, out.view(n, k), "n")
+    return out
 
 
 def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, act: str, out: Tensor):
@@ -375,6 +394,9 @@ def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, ac
     act = conv_activation(relu, activation)
     if math.prod(shape) != 0 and (device == "cpu" or groups == 1):
         spec = conv2d_spec(x, weight, bias, stride, padding, dilation, groups, relu, device, act)
+        if device == "cpu" and one_pixel_as_linear(spec):  # (its GEMM plans its own)
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            return _one_pixel_conv(x, weight, bias, act, out)
         if device == "cpu" and channels_last_output(x):  # (its GEMMs and convs plan theirs)
             return _conv2d_channels_last(x, weight, bias, spec, shape)
         if device == "cpu" and reads_patches(spec, weight):
@@ -393,7 +415,39 @@ def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, ac
     return torch_activation(act)(y)
 
 
-LIB.impl(CONV, _conv2d_impl, "CPU")
+# The C++ impl (csrc/tvm_gemm_ops.cpp conv2d_impl) keeps, per geometry, the route this
+# function chooses: it runs the "conv" and "linear" routes itself and calls _conv2d_impl for
+# the others. Its kernels are handed over by id (``cpp_conv_kernel``, through tvm-ffi).
+_CPP_KERNEL_SPECS: list[Conv2dSpec] = []
+_CPP_KERNEL_IDS: dict[Conv2dSpec, int] = {}
+
+
+def cpp_route(x, weight, bias, stride, padding, dilation, groups, relu, activation):
+    """The C++ impl's plan for a call's geometry: ``(route, output shape, kernel id, linear
+    activation)``, route "conv" (the conv kernel of id ``kernel id``, on an NCHW x), "linear"
+    (a 1x1 conv with one output pixel whose activation the GEMM kernel has) or "python" (the
+    rest, and empty outputs: it calls ``_conv2d_impl``). Raises the checks' error for a bad
+    call, and builds (or loads) the kernel, as the first Python call would."""
+    shape, spec, route = _checked_geometry(
+        x, weight, bias, stride, padding, dilation, groups, relu, activation
+    )
+    if math.prod(shape) == 0 or channels_last_output(x):
+        return "python", list(shape), -1, "none"
+    if route == "linear" and spec.activation in GEMM_ACTIVATIONS:
+        return "linear", list(shape), -1, spec.activation
+    if route != "conv":
+        return "python", list(shape), -1, "none"
+    get_kernel(spec)  # (a failed build raises here, as a Python error)
+    kernel_id = _CPP_KERNEL_IDS.get(spec)
+    if kernel_id is None:
+        kernel_id = _CPP_KERNEL_IDS[spec] = len(_CPP_KERNEL_SPECS)
+        _CPP_KERNEL_SPECS.append(spec)
+    return "conv", list(shape), kernel_id, "none"
+
+
+def cpp_conv_kernel(kernel_id: int):
+    """The kernel ``cpp_route`` gave ``kernel_id`` (the tvm-ffi global "tvm_gemm.conv_kernel")."""
+    return get_kernel(_CPP_KERNEL_SPECS[kernel_id])
 
 
 # CUDA: an implicit GEMM on tensor cores (kernels/conv2d_cuda.py) over an NHWC input and a

@@ -25,7 +25,8 @@ from ..runtime.table import get_kernel, on_clear_table
 from ..schedules import cpu as cpu_schedules
 from ..schedules.cpu import DOT2_MAX_M, DOT_MAX_M, GEMV_MAX_M, GEMV_MIN_B_ELEMENTS
 from . import plan
-from .checks import DTYPE_NAMES, SUPPORTED_DTYPES
+from .checks import CONV, DTYPE_NAMES, SUPPORTED_DTYPES
+from .conv_ops import _conv2d_impl, cpp_conv_kernel
 from .gemm_ops import KERNEL_ALIGNMENT, gemm_spec, linear_impl, matmul_impl
 
 _cpp_miss = threading.local()  # the miss handler's last exception, per thread
@@ -158,10 +159,12 @@ def use_impl(path: str) -> str:
         for key in py_keys:
             _py_impls.impl("matmul", matmul_impl, key)
             _py_impls.impl("linear", linear_impl, key)
+        if "CPU" in py_keys:  # (the conv op's CUDA impl is conv_ops' own registration)
+            _py_impls.impl(CONV, _conv2d_impl, "CPU")
     _impl_path = path
     # Python-side dispatch caches (used under the Python dispatcher, e.g. by AOTAutograd)
     # may still point at the kernels just removed.
-    for name in ("matmul", "linear"):
+    for name in ("matmul", "linear", CONV):
         cache = getattr(getattr(torch.ops.tvm_gemm, name).default, "_dispatch_cache", None)
         if cache is not None:  # a private torch attribute: tolerate its absence
             cache.clear()
@@ -208,6 +211,7 @@ def init_impls() -> None:
     ext = _ext.load()
     if ext is not None:
         tvm_ffi.register_global_func("tvm_gemm.get_kernel", _kernel_for_cpp, override=True)
+        tvm_ffi.register_global_func("tvm_gemm.conv_kernel", cpp_conv_kernel, override=True)
         on_clear_table(ext.clear_table)
     if ext is None or _ext.python_impl_requested():
         use_impl("python")
