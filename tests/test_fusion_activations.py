@@ -197,6 +197,27 @@ def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():
         assert_close(fused(x), expected(), k=200)
 
 
+def test_bn_fold_follows_a_parametrized_weight_and_replaced_tensors():
+    """The fold's check reads the modules' own dicts; a weight that is a parametrization's
+    property (no plain parameter) and a BN buffer replaced by another tensor are seen too."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    conv, bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8).eval()
+    parametrize.register_parametrization(conv, "weight", Doubled())
+    fused = TVMConv2dBN(conv, bn, "relu")
+    x = randn(2, 3, 9, 9)
+    with torch.no_grad():
+        assert_close(fused(x), F.relu(bn(conv(x))), k=200)
+        conv.parametrizations.weight.original.mul_(-1.0)
+        assert_close(fused(x), F.relu(bn(conv(x))), k=200)
+        bn.running_mean = torch.full_like(bn.running_mean, 0.5)
+        assert_close(fused(x), F.relu(bn(conv(x))), k=200)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bn_fold_kept_in_the_layout_the_conv_reads(dtype):
     """The fold is kept channels_last where the op runs the bf16 implicit GEMM over NHWC
