@@ -1,4 +1,4 @@
-"""``TVMConv2dBN``: a Conv2d followed by an eval-mode BatchNorm2d (and optionally an
+"""``TVMConv2dBN``: a Conv2d followed by an eval-mode (or frozen) BatchNorm2d (and optionally an
 activation: ReLU, ReLU6, hardswish, SiLU, leaky ReLU) as
 one TVM conv, with the BN folded into the conv's weight and bias.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .fusion import CONV_OP, conv_padding
+from .fusion import CONV_OP, conv_padding, is_frozen_bn
 from .kernels.conv2d import torch_activation
 from .ops.conv_ops import weight_layout
 
@@ -63,6 +63,7 @@ class TVMConv2dBN(nn.Module):
         torch_activation(activation)  # (a KeyError names an unknown one)
         self.activation = activation
         self.padding = list(padding)
+        self.frozen = is_frozen_bn(bn)  # (eval-mode BN in training mode too: always folded)
         self._key: tuple | None = None
         self._folded: tuple[Tensor, Tensor] | None = None
 
@@ -73,7 +74,8 @@ class TVMConv2dBN(nn.Module):
     def _tensors(self) -> list[Tensor]:
         conv, bn = self.sources
         try:  # read from the modules' own dicts: nn.Module.__getattr__ cost ~3 us for the six
-            p, bp, bb = conv._parameters, bn._parameters, bn._buffers
+            p, bb = conv._parameters, bn._buffers
+            bp = bb if self.frozen else bn._parameters  # (a frozen BN's are buffers)
             found = [p["weight"], p["bias"], bp["weight"], bp["bias"]]
             found += [bb["running_mean"], bb["running_var"]]
         except KeyError:  # one is not a plain parameter or buffer (a parametrization's property)
@@ -115,7 +117,7 @@ class TVMConv2dBN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources
-        if bn.training:  # switched back to training: batch statistics, no folding
+        if bn.training and not self.frozen:  # back to training: batch statistics, no fold
             y = bn(conv(x))
             # (a BN subclass, timm's BatchNormAct2d, applied the fused activation itself)
             if type(bn).forward is not nn.BatchNorm2d.forward:

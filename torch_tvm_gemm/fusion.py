@@ -11,7 +11,8 @@ three patterns into the fused op, leaving everything else alone:
 2. ``conv2d(x, w, None)`` (functional, or a ``Conv2d(bias=False)``) -> ``+ b`` with ``b`` a
    per-channel bias of shape ``(1, C, 1, 1)`` or ``(C, 1, 1)`` (a parameter or buffer,
    reshaped / viewed / unsqueezed / indexed) -> ReLU;
-3. ``Conv2d`` -> ``BatchNorm2d`` (eval mode, running stats) -> ReLU, by folding the BN into
+3. ``Conv2d`` -> ``BatchNorm2d`` (eval mode, running stats; or a frozen BN, ``is_frozen_bn``)
+   -> ReLU, by folding the BN into
    a copy of the conv's weight and bias first; with no ReLU after the BN, the folded conv
    runs without one. The BN may also be a BatchNorm2d subclass that the trace went into,
    seen as ``F.batch_norm`` on its own buffers followed by its own children (timm's
@@ -69,6 +70,23 @@ _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 _VIEW_METHODS = {"reshape", "view", "unsqueeze"}
 _VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, operator.getitem}
 
+_FROZEN_BN_BUFFERS = ("weight", "bias", "running_mean", "running_var")
+
+
+def is_frozen_bn(module: nn.Module) -> bool:
+    """A frozen BatchNorm2d: ``x * scale + shift`` from buffers (weight, bias, running_mean,
+    running_var, eps), eval-mode BN whatever ``training`` says. torchvision's
+    ``FrozenBatchNorm2d`` (its detection and segmentation backbones built for pretrained
+    weights, timm's ``freeze_batch_norm_2d``) and detectron2's: recognised by that name and
+    those buffers, nothing imported."""
+    if type(module).__name__ != "FrozenBatchNorm2d" or module._parameters or module._modules:
+        return False
+    buffers = [module._buffers.get(name) for name in _FROZEN_BN_BUFFERS]
+    if not all(isinstance(b, Tensor) and b.dim() == 1 for b in buffers):
+        return False
+    return len({b.numel() for b in buffers}) == 1 and isinstance(getattr(module, "eps", None), float)
+
+
 
 class _Graph:
     """The traced model with the queries the matchers need."""
@@ -93,6 +111,13 @@ class _Graph:
             return None
         mod = self.modules.get(node.target)
         return mod if type(mod) is kind else None
+
+    def bn(self, node: fx.Node) -> nn.Module | None:
+        """The BatchNorm2d (or frozen BN, ``is_frozen_bn``) module ``node`` calls, or None."""
+        mod = self.module(node, nn.BatchNorm2d)
+        if mod is None and node.op == "call_module" and is_frozen_bn(self.modules.get(node.target)):
+            mod = self.modules[node.target]
+        return mod
 
     def activation(self, node: fx.Node | None) -> str | None:
         """The conv epilogue ``node`` is (relu, relu6, hardswish, silu, leaky_relu), or None."""
@@ -298,7 +323,7 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
     user = _next(g, conv.node, passed, metadata_ok=conv.module is not None)
     if user is None:
         last = passed[-1] if passed else conv.node
-        if any(g.activation(u) or g.module(u, nn.BatchNorm2d) for u in last.users):
+        if any(g.activation(u) or g.bn(u) for u in last.users):
             raise _Skip(f"{conv.node.name}: conv output has {len(last.users)} users")
         return None
     # 1. conv -> relu
@@ -306,11 +331,12 @@ def _try_fuse(g: _Graph, conv: _Conv) -> str | None:
     if act is not None:
         return _fuse_with_bias(g, conv, user, [user, *reversed(passed), conv.node], None, act, act)
     # 3. conv -> batchnorm [-> relu]
-    bn, own = g.module(user, nn.BatchNorm2d), None
+    bn, own = g.bn(user), None
     if bn is None:
         own, bn = _functional_bn(g, user, conv.node)
     if bn is not None:
-        if conv.module is None or bn.training or bn.running_mean is None:
+        training = bn.training and not is_frozen_bn(bn)
+        if conv.module is None or training or bn.running_mean is None:
             raise _Skip(f"{conv.node.name}: BN {user.name} in training mode or without stats")
         if g.calls[conv.node.target] != 1 or (own is None and g.calls[user.target] != 1):
             raise _Skip(f"{conv.node.name}: conv or BN module called more than once")
@@ -522,10 +548,18 @@ def fuse_convs_in_graph(
     return summary
 
 
+class FusionTracer(fx.Tracer):
+    """torch.fx's tracer, with frozen BNs kept as calls (traced through, they are arithmetic
+    on buffers, which no pattern matches)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_frozen_bn(m) or super().is_leaf_module(m, qualname)
+
+
 def _trace(model: nn.Module, caller: str) -> fx.GraphModule:
     try:
         with unchanged_by_trace(model):
-            return fx.symbolic_trace(model)
+            return fx.GraphModule(model, FusionTracer().trace(model))
     except Exception as err:
         raise RuntimeError(
             f"torch_tvm_gemm.{caller}: torch.fx.symbolic_trace cannot trace "

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from .fold import TVMConv2dBN
-from .fusion import TVMConv2dBiasReLU, fuse_convs_in_graph
+from .fusion import FusionTracer, TVMConv2dBiasReLU, fuse_convs_in_graph
 from .inplace_adds import inplace_residual_adds
 from .linear_subclasses import note_subclasses
 from .model_precompile import PrecompileSummary, precompile, split_example_inputs
@@ -132,7 +132,7 @@ class ConversionSummary:
 # --- tracing --------------------------------------------------------------------------------
 
 
-class _Tracer(fx.Tracer):
+class _Tracer(FusionTracer):
     """torch.fx's tracer, with the layers the passes rewrite kept as single calls."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
