@@ -118,6 +118,9 @@ class Conv2dSpec:
     relu: bool = True  # the epilogue when ``activation`` is None: "relu" or "none"
     device: str = "cpu"
     activation: str | None = None  # is_activation(); replaces ``relu`` when given
+    # "nchw" (torch's layouts, above), or "nhwc": the depthwise kernel over channels-last
+    # pixels (``kernels/conv2d_depthwise_nhwc.py`` says its layouts)
+    layout: str = "nchw"
 
     family = "conv2d"
 
@@ -128,7 +131,7 @@ class Conv2dSpec:
         object.__setattr__(self, "relu", self.activation == "relu")
         if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
             raise ValueError(f"bad Conv2dSpec {self}")
-        if not is_activation(self.activation):
+        if not is_activation(self.activation) or self.layout not in ("nchw", "nhwc"):
             raise ValueError(f"bad Conv2dSpec {self}")
         if self.out_h < 1 or self.out_w < 1:
             raise ValueError(f"bad Conv2dSpec {self} (empty output)")
@@ -146,7 +149,10 @@ class Conv2dSpec:
         return _out_size(self.w, self.s, self.stride[1], self.padding[1], self.dilation[1])
 
     def key(self) -> dict:
-        return {"family": self.family, **asdict(self)}
+        key = {"family": self.family, **asdict(self)}
+        if self.layout == "nchw":  # (the keys of the kernels that were there before it)
+            del key["layout"]
+        return key
 
     def name(self) -> str:
         geo = "_".join(
@@ -157,9 +163,10 @@ class Conv2dSpec:
             "" if self.activation == "none" else f"_{self.activation}"
         )
         g = f"_g{self.groups}" if self.groups != 1 else ""
+        layout = "" if self.layout == "nchw" else f"_{self.layout}"
         return (
             f"conv2d_{self.dtype}_c{self.c}_k{self.k}_{self.r}x{self.s}_in{self.h}x{self.w}"
-            f"_{geo}{g}{epi}"
+            f"_{geo}{g}{epi}{layout}"
         )
 
 

@@ -5,6 +5,7 @@ the kernel a call needs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -17,6 +18,8 @@ from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime import output_pool
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
+from ..schedules import cpu_depthwise_nhwc
+from ..target import host_cpu
 from ..schedules.cpu_conv2d import (
     nhwc_kernel,
     one_pixel_as_linear,
@@ -216,12 +219,15 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     (no copy either side; measured, 2 threads, Intel Xeon, against oneDNN's channels_last
     conv: 0.93-1.25x at ResNet-50's 1x1 shapes at batch 8, where the NCHW routes ran at
     0.42-0.87x); a strided one on a channels_last copy of the pixels it reads. The bf16
-    implicit GEMM ("nhwc") reads x and writes its output channels-last as they are. Other
-    convs run the NCHW kernel and their output is copied to channels_last."""
+    implicit GEMM ("nhwc") reads x and writes its output channels-last as they are, and so
+    does the fp32 depthwise kernel over channels-last pixels. Other convs run the NCHW kernel
+    and their output is copied to channels_last."""
     n, _, out_h, out_w = shape
     if reads_patches(spec, weight):
         y = _patches_product(x, weight, bias, spec)
         return y.view(n, out_h, out_w, -1).permute(0, 3, 1, 2)
+    if cpu_depthwise_nhwc.applies(spec, host_cpu()):
+        return _depthwise_nhwc(x, weight, bias, spec, shape)
     stride = spec.stride
     if strided_pointwise(spec):
         x, stride = _subsampled(x, spec).contiguous(memory_format=CL), (1, 1)
@@ -246,6 +252,29 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
         spec.activation,
     )
     return y.contiguous(memory_format=CL)
+
+
+def _depthwise_nhwc(x: Tensor, weight: Tensor, bias: Tensor | None, spec, shape) -> Tensor:
+    """A depthwise conv of a channels_last ``x`` by the kernel over its channels-last pixels
+    (``schedules/cpu_depthwise_nhwc.py``): x read as it lies, the weight as (R, S, C) (a copy
+    of R*S*C values), the output written channels-last. Planning records that kernel."""
+    n, k, out_h, out_w = shape
+    nhwc = dataclasses.replace(spec, layout="nhwc")
+    found = active_plan()
+    if found is not None:
+        found.record(nhwc)
+        if not found.compute:
+            return x.new_empty(shape).contiguous(memory_format=CL)
+        y = torch.nn.functional.conv2d(x, weight, bias, spec.stride, spec.padding,
+                                       spec.dilation, spec.groups)  # fmt: skip
+        return torch_activation(spec.activation)(y)
+    kernel = get_kernel(nhwc)
+    sync_threads()
+    w_rsc = weight.reshape(k, spec.r, spec.s).permute(1, 2, 0).contiguous()
+    out = output_pool.empty((n, out_h, out_w, k), x.dtype, x.device)
+    args = [x.permute(0, 2, 3, 1), w_rsc] + ([bias.contiguous()] if bias is not None else [])
+    kernel(*[aligned(t) for t in args], out)  # out: fresh, hence aligned
+    return out.permute(0, 3, 1, 2)
 
 
 def strided_pointwise(spec: Conv2dSpec) -> bool:

@@ -31,7 +31,7 @@ import functools
 
 from ..kernels.conv2d import Conv2dSpec, conv2d_compute, padded_input_width
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx_conv, cpu_avx512_bf16, cpu_avx512_bf16_conv
+from . import cpu_amx_conv, cpu_avx512_bf16, cpu_avx512_bf16_conv, cpu_depthwise_nhwc
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
 SCHEDULE_VERSION = 8  # bump when a schedule changes the binary: it is part of the cache key
@@ -234,6 +234,8 @@ def schedule_conv2d(spec: Conv2dSpec, cpu: CpuInfo | None = None, tile=None):
     from tvm import s_tir
 
     cpu = cpu or host_cpu()
+    if spec.layout == "nhwc":
+        return cpu_depthwise_nhwc.schedule_depthwise_nhwc(spec, cpu or host_cpu())
     nhwc = nhwc_kernel(spec, cpu) if tile is None else None
     if nhwc is cpu_amx_conv:
         return cpu_amx_conv.schedule_conv2d_amx(spec)

@@ -1,0 +1,88 @@
+"""The fp32 depthwise conv of a channels_last input: run by the kernel over channels-last
+pixels (``schedules/cpu_depthwise_nhwc.py``), no copy to NCHW and back, same answers as
+``F.conv2d``, output channels_last."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, randn
+
+from torch_tvm_gemm import ops
+from torch_tvm_gemm.kernels.conv2d import Conv2dSpec, torch_activation
+
+conv = torch.ops.tvm_gemm.conv2d_bias_relu
+CL = torch.channels_last
+
+
+def _depthwise(n, c, h, w, k, stride, padding, dilation, bias, act, seed=0):
+    x = randn(n, c, h, w, seed=seed).contiguous(memory_format=CL)
+    weight = randn(c, 1, k, k, seed=seed + 1)
+    b = randn(c, seed=seed + 2) if bias else None
+    return (x, weight, b, [stride] * 2, [padding] * 2, [dilation] * 2, c, True, act)
+
+
+GEOMETRIES = {
+    "3x3": (2, 32, 9, 11, 3, 1, 1, 1, True, "relu6"),
+    "3x3 stride 2": (1, 48, 10, 13, 3, 2, 1, 1, False, "none"),
+    "5x5": (1, 16, 12, 12, 5, 1, 2, 1, True, "silu"),
+    "5x5 stride 2": (2, 16, 11, 11, 5, 2, 2, 1, True, "hardswish"),
+    "dilated": (1, 16, 9, 9, 3, 1, 2, 2, True, "leaky_relu"),
+    "no padding": (1, 32, 6, 6, 3, 1, 0, 1, True, "relu"),
+    "a row of 7": (3, 32, 7, 7, 3, 1, 1, 1, True, "relu6"),
+    "3x3 on 1x1": (2, 16, 1, 1, 3, 1, 1, 1, True, "relu"),
+}
+
+
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_channels_last_depthwise_matches_torch(name):
+    args = _depthwise(*GEOMETRIES[name])
+    x, w, b, stride, padding, dilation, groups, _, act = args
+    with torch.no_grad():
+        got = conv(*args)
+        want = torch_activation(act)(F.conv2d(x, w, b, stride, padding, dilation, groups))
+    assert got.shape == want.shape
+    assert got.is_contiguous(memory_format=CL)
+    assert_close(got, want, k=w[0].numel())
+
+
+def test_the_channels_last_kernel_is_the_one_asked_for():
+    """Planning records the kernel a call needs: the "nhwc" one for a channels_last x, the
+    NCHW one otherwise; channels that are not whole vectors stay on the NCHW kernel."""
+    cl_args = _depthwise(*GEOMETRIES["3x3"])
+    nchw_args = (cl_args[0].contiguous(),) + cl_args[1:]
+    odd = _depthwise(1, 24, 8, 8, 3, 1, 1, 1, True, "relu")  # 24: not whole vectors
+    for args, layout in ((cl_args, "nhwc"), (nchw_args, "nchw"), (odd, "nchw")):
+        with ops.planning() as plan:
+            conv(*args)
+        assert [s.layout for s in plan.specs if isinstance(s, Conv2dSpec)] == [layout]
+    x, w, b, stride, padding, dilation, groups, _, act = odd
+    want = torch_activation(act)(F.conv2d(x, w, b, stride, padding, dilation, groups))
+    assert_close(conv(*odd), want, k=9)
+
+
+def test_spec_keys_of_the_nchw_kernels_are_unchanged():
+    spec = Conv2dSpec(dtype="float32", c=16, k=16, r=3, s=3, h=8, w=8, groups=16)
+    assert "layout" not in spec.key()
+    nhwc = dataclasses.replace(spec, layout="nhwc")
+    assert nhwc.key()["layout"] == "nhwc" and nhwc.name() == spec.name() + "_nhwc"
+    with pytest.raises(ValueError):
+        dataclasses.replace(spec, layout="chwn")
+
+
+def test_gradients_and_opcheck_on_a_channels_last_depthwise():
+    x, w, b, stride, padding, dilation, groups, relu, act = _depthwise(*GEOMETRIES["3x3"])
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    got = torch.autograd.grad(
+        conv(x, w, b, stride, padding, dilation, groups, relu, act).sum(), (x, w, b)
+    )
+    want = torch.autograd.grad(
+        torch_activation(act)(F.conv2d(x, w, b, stride, padding, dilation, groups)).sum(),
+        (x, w, b),
+    )
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, k=99)
+    torch.library.opcheck(conv, (x, w, b, stride, padding, dilation, groups, relu, act))
