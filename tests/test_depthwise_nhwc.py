@@ -34,6 +34,8 @@ GEOMETRIES = {
     "no padding": (1, 32, 6, 6, 3, 1, 0, 1, True, "relu"),
     "a row of 7": (3, 32, 7, 7, 3, 1, 1, 1, True, "relu6"),
     "3x3 on 1x1": (2, 16, 1, 1, 3, 1, 1, 1, True, "relu"),
+    "5x5, one output row a task": (1, 384, 56, 56, 5, 1, 2, 1, True, "relu"),
+    "5x5, conditions": (1, 1024, 56, 56, 5, 2, 2, 1, True, "relu"),
 }
 
 
@@ -86,3 +88,20 @@ def test_gradients_and_opcheck_on_a_channels_last_depthwise():
     for g, r in zip(got, want, strict=True):
         assert_close(g, r, k=99)
     torch.library.opcheck(conv, (x, w, b, stride, padding, dilation, groups, relu, act))
+
+
+def test_padded_rows_for_taps_beyond_a_3x3_within_the_local_buffer():
+    """A 5x5 reads a padded copy of each task's rows (4 output rows, else 1 where 4 outgrow
+    the local buffer, else conditions per tap); a 3x3 or an unpadded conv never copies."""
+    from torch_tvm_gemm.schedules import cpu_depthwise_nhwc as nhwc
+
+    def spec(c, size, k, padding, stride=1):
+        return Conv2dSpec(dtype="float32", c=c, k=c, r=k, s=k, h=size, w=size,
+                          stride=(stride, stride), padding=(padding, padding), groups=c)  # fmt: skip
+
+    assert nhwc._row_block(spec(240, 28, 5, 2)) == 4
+    assert nhwc._row_block(spec(64, 3, 5, 2)) == 3  # (all 3 output rows)
+    assert nhwc._row_block(spec(384, 56, 5, 2)) == 1  # 8 rows of 60 x 384 floats: too many
+    assert nhwc._row_block(spec(1024, 56, 5, 2)) is None  # even 5 rows
+    assert nhwc._row_block(spec(240, 28, 3, 1)) is None
+    assert nhwc._row_block(spec(240, 28, 5, 0)) is None

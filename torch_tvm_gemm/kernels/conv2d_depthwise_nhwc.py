@@ -13,12 +13,14 @@ from __future__ import annotations
 from .conv2d import Conv2dSpec, activate
 
 
-def depthwise_nhwc_compute(spec: Conv2dSpec):
+def depthwise_nhwc_compute(spec: Conv2dSpec, pad_stage: bool = False):
     """The unscheduled PrimFunc ``main(x, weight, [bias,] out)`` of a depthwise ``spec``.
 
-    Stages: "acc", the R x S taps written out (each zero where it falls in the padding);
-    "out", the bias, the activation and the cast (the activation reads the sum several
-    times: in one expression with the taps, they were computed again for each read)."""
+    Stages: with ``pad_stage``, "x_pad", the input with its zero border in the accumulation
+    dtype; "acc", the R x S taps written out (without "x_pad", each is zero by a condition
+    where it falls in the padding); "out", the bias, the activation and the cast (the
+    activation reads the sum several times: in one expression with the taps, they were
+    computed again for each read)."""
     from tvm import te, tirx
 
     acc = spec.acc_dtype
@@ -29,12 +31,19 @@ def depthwise_nhwc_compute(spec: Conv2dSpec):
     weight = te.placeholder((r_taps, s_taps, c), spec.dtype, name="weight")
     bias = te.placeholder((c,), spec.dtype, name="bias")
 
+    def bordered(b, row, col, ch):  # x at a padded position
+        value = x[b, row - ph, col - pw, ch].astype(acc)
+        if spec.padding == (0, 0):
+            return value
+        inside = tirx.all(row >= ph, row < h + ph, col >= pw, col < w + pw)
+        return tirx.if_then_else(inside, value, tirx.const(0, acc))
+
+    if pad_stage:
+        x_pad = te.compute((n, h + 2 * ph, w + 2 * pw, c), bordered, name="x_pad")
+
     def tap(b, i, j, ch, r, s):
-        row, col = i * sh + r * dh - ph, j * sw + s * dw - pw
-        value = x[b, row, col, ch].astype(acc)
-        if spec.padding != (0, 0):
-            inside = tirx.all(row >= 0, row < h, col >= 0, col < w)
-            value = tirx.if_then_else(inside, value, tirx.const(0, acc))
+        row, col = i * sh + r * dh, j * sw + s * dw
+        value = x_pad[b, row, col, ch] if pad_stage else bordered(b, row, col, ch)
         return value * weight[r, s, ch].astype(acc)
 
     def taps(b, i, j, ch):

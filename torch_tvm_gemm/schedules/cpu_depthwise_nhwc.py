@@ -4,10 +4,8 @@ For a channels_last input the NCHW kernels need the input copied to NCHW and the
 back: those two copies cost 3-16x the conv (MobileNetV2 in channels_last at batch 8, 2
 threads, AMD EPYC Zen 5: 40% of the converted model's time in copies, 0.58x eager). Here
 the vector runs along the channels: parallel over (image, output row), a tile of
-``_width_tile`` output pixels by one vector of channels in registers, the R x S taps unrolled,
-each tap in the padding read as zero by a condition (no padded copy). Against torch's
-channels_last conv (oneDNN; 2 threads, AMD EPYC Zen 5, + SiLU): 3x3 at 1.2-1.9x, 5x5 at
-0.5-0.96x (25 conditions a pixel: a padded copy of each task's rows would remove them).
+``_width_tile`` output pixels by one vector of channels in registers, the R x S taps unrolled
+(for a 5x5, on a padded copy of the task's input rows: ``_row_block``).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from ..kernels.conv2d import Conv2dSpec
 from ..kernels.conv2d_depthwise_nhwc import depthwise_nhwc_compute
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 3  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 4  # bump when the schedule changes the binary: it is part of the cache key
 
 
 def applies(spec: Conv2dSpec, cpu: CpuInfo) -> bool:
@@ -39,17 +37,47 @@ def _width_tile(out_w: int) -> int:
     return 7 if out_w == 7 else 4
 
 
+# Taps above a 3x3's 9 read a copy of each task's input rows with their zero border, made
+# per task (ROW_BLOCK output rows): no condition per tap. Kernels alone against torch's
+# channels_last conv + SiLU (2 threads, AMD EPYC Zen 5), conditions -> padded rows: 5x5 at
+# 28x28, 240 channels, batch 1 / 8 0.68 / 0.47x -> 1.29 / 1.02x; 14x14, 672 channels 0.86 /
+# 0.54x -> 1.27 / 0.89x; 7x7, 1152 channels 1.44x -> 2.36x. A 3x3 loses a little to the copy
+# (56x56, 144 channels, batch 8: 1.92x -> 1.57x) and keeps the conditions.
+PAD_STAGE_MIN_TAPS = 10
+ROW_BLOCK = 4
+LOCAL_MAX_BYTES = 512 << 10  # the padded rows of a task, in its thread's local buffer
+
+
+def _padded_rows(spec: Conv2dSpec, rows: int) -> int:
+    return (rows - 1) * spec.stride[0] + (spec.r - 1) * spec.dilation[0] + 1
+
+
+def _row_block(spec: Conv2dSpec) -> int | None:
+    """Output rows per task with a padded copy of their input rows, or None (conditions)."""
+    if spec.r * spec.s < PAD_STAGE_MIN_TAPS or spec.padding == (0, 0):
+        return None
+    row_bytes = (spec.w + 2 * spec.padding[1]) * spec.c * 4
+    for rows in (min(ROW_BLOCK, spec.out_h), 1):
+        if _padded_rows(spec, rows) * row_bytes <= LOCAL_MAX_BYTES:
+            return rows
+    return None
+
+
 def schedule_depthwise_nhwc(spec: Conv2dSpec, cpu: CpuInfo):
     """The scheduled IRModule of ``spec`` (layout "nhwc")."""
     from tvm import s_tir
 
-    sch = s_tir.Schedule(depthwise_nhwc_compute(spec))
+    rows = _row_block(spec)
+    vec = cpu.vector_bytes // 4
+    sch = s_tir.Schedule(depthwise_nhwc_compute(spec, pad_stage=rows is not None))
     out = sch.get_sblock("out")
     b, i, j, c = sch.get_loops(out)
+    io, ii = sch.split(i, [None, rows or 1])
     jo, ji = sch.split(j, [None, _width_tile(spec.out_w)])
-    co, ci = sch.split(c, [None, cpu.vector_bytes // 4])
-    sch.reorder(b, i, jo, co, ji, ci)
-    sch.parallel(sch.fuse(b, i))
+    co, ci = sch.split(c, [None, vec])
+    sch.reorder(b, io, ii, jo, co, ji, ci)
+    task = sch.fuse(b, io)
+    sch.parallel(task)
     sch.unroll(ji)
     sch.vectorize(ci)
     acc = sch.get_sblock("acc")  # the tile's sums, in registers
@@ -58,4 +86,9 @@ def schedule_depthwise_nhwc(spec: Conv2dSpec, cpu: CpuInfo):
     ai, aj = sch.get_loops(acc)[-2:]
     sch.unroll(ai)
     sch.vectorize(aj)
+    if rows is not None:  # the task's rows, padded, in a local buffer; vectors of channels
+        x_pad = sch.get_sblock("x_pad")
+        sch.compute_at(x_pad, sch.get_loops(out)[0])
+        sch.set_scope(x_pad, 0, "local")
+        sch.vectorize(sch.split(sch.get_loops(x_pad)[-1], [None, vec])[1])
     return sch.mod
