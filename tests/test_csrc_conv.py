@@ -43,7 +43,9 @@ CASES = {
     "one pixel: linear, no activation": lambda: _case(
         randn(1, 24, 1, 1), randn(12, 24, 1, 1), act="none"
     ),
-    "one pixel, relu6 (Python)": lambda: _case(randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="relu6"),
+    "one pixel, relu6 (Python)": lambda: _case(
+        randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="relu6"
+    ),
     "one pixel of a strided 2x2": lambda: _case(randn(3, 8, 2, 2), randn(12, 8, 1, 1), stride=2),
     "channels_last x (Python)": lambda: _case(
         randn(1, 8, 6, 6).contiguous(memory_format=CL), randn(16, 8, 3, 3), padding=1
@@ -71,11 +73,12 @@ def test_both_paths_agree_bitwise(name):
 def test_repeated_calls_read_the_weight_each_time():
     """The table keeps a route and a kernel per geometry, never a weight: writes torch does not
     count (through ``.data``) are seen by the next call, on both C++ routes."""
-    for x, w in ((randn(1, 8, 9, 9), randn(16, 8, 3, 3)), (randn(2, 24, 1, 1), randn(12, 24, 1, 1))):
-        args = lambda: (x, w, None, [1, 1], [0, 0], [1, 1], 1, True, "none")  # noqa: E731
-        first = _run_on("cpp", lambda: conv(*args()))
+    pairs = ((randn(1, 8, 9, 9), randn(16, 8, 3, 3)), (randn(2, 24, 1, 1), randn(12, 24, 1, 1)))
+    for x, w in pairs:
+        args = (x, w, None, [1, 1], [0, 0], [1, 1], 1, True, "none")
+        first = _run_on("cpp", lambda args=args: conv(*args))
         w.data.mul_(-2)
-        second = _run_on("cpp", lambda: conv(*args()))
+        second = _run_on("cpp", lambda args=args: conv(*args))
         assert_close(second, F.conv2d(x, w), k=w[0].numel())
         assert_close(second, first * -2, k=w[0].numel())
 
@@ -129,7 +132,9 @@ def test_gradients_through_the_cpp_path():
     x = randn(2, 8, 6, 6).requires_grad_()
     w = randn(16, 8, 3, 3).requires_grad_()
     b = randn(16).requires_grad_()
-    got = _run_on("cpp", lambda: torch.autograd.grad(conv(x, w, b, [1, 1], [1, 1]).sum(), (x, w, b)))
+    got = _run_on(
+        "cpp", lambda: torch.autograd.grad(conv(x, w, b, [1, 1], [1, 1]).sum(), (x, w, b))
+    )
     want = torch.autograd.grad(F.relu(F.conv2d(x, w, b, 1, 1)).sum(), (x, w, b))
     for g, r in zip(got, want, strict=True):
         assert_close(g, r, k=144)

@@ -84,8 +84,9 @@ def is_frozen_bn(module: nn.Module) -> bool:
     buffers = [module._buffers.get(name) for name in _FROZEN_BN_BUFFERS]
     if not all(isinstance(b, Tensor) and b.dim() == 1 for b in buffers):
         return False
-    return len({b.numel() for b in buffers}) == 1 and isinstance(getattr(module, "eps", None), float)
-
+    return len({b.numel() for b in buffers}) == 1 and isinstance(
+        getattr(module, "eps", None), float
+    )
 
 
 class _Graph:

@@ -19,13 +19,13 @@ from ..runtime import output_pool
 from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules import cpu_depthwise_nhwc
-from ..target import host_cpu
 from ..schedules.cpu_conv2d import (
     nhwc_kernel,
     one_pixel_as_linear,
     patches_as_gemm,
     pointwise_as_gemm,
 )
+from ..target import host_cpu
 from .checks import (
     CONV,
     DTYPE_NAMES,
@@ -137,8 +137,8 @@ _MAX_GEOMETRIES = 4096
 
 def _checked_geometry(x, weight, bias, stride, padding, dilation, groups, relu, activation):
     """(output shape, kernel spec, route) of a valid CPU call; raises the checks' errors for
-    an invalid one. The route: "linear" (one output pixel of a 1x1 conv: the linear op),
-    "gemm" (a GEMM per image), "patches" (one GEMM over the
+    an invalid one. The route: "linear" (one output pixel of a 1x1 conv: a GEMM over that
+    pixel of each image), "gemm" (a GEMM per image), "patches" (one GEMM over the
     patches of all images: few output pixels, see ``reads_patches``), "nhwc" (the bf16
     implicit GEMM over channels-last pixels, on AMX tiles or vdpbf16ps), "conv" (the conv
     kernel) or "subsample" (a strided 1x1 conv: the same conv, stride 1, on the pixels it
