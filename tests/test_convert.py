@@ -619,3 +619,34 @@ def test_tvm_conv1d_reads_the_transposed_weight_in_place(rows):
     want = torch.autograd.grad(expected, (ref_x, layer.weight), grad)
     for g, w in zip(got, want, strict=True):
         assert_close(g, w, k=128)
+
+
+class _DepthwiseConv(nn.Conv2d):
+    """A Conv2d subclass that only constructs differently (transformers'
+    EfficientNetDepthwiseConv2d)."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__(channels, channels, kernel_size, padding="same", groups=channels)
+
+
+class _ScaledConv(nn.Conv2d):
+    """A Conv2d subclass with a forward of its own: not a plain conv."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("conv_cls", [_DepthwiseConv, _ScaledConv])
+def test_conv2d_subclasses_fuse_only_with_the_plain_forward(conv_cls):
+    def conv():
+        return _DepthwiseConv(16, 3) if conv_cls is _DepthwiseConv else _ScaledConv(16, 16, 3)
+
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), conv(), bn(16), nn.ReLU()).eval()
+    x = randn(2, 3, 10, 10)
+    with torch.no_grad():
+        want = model(x)
+    tg.convert(model)
+    what = model.conversion_summary.layers["1"]
+    assert what.startswith("fused") == (conv_cls is _DepthwiseConv), what
+    with torch.no_grad():
+        assert_close(model(x), want, k=144)

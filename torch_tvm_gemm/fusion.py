@@ -89,6 +89,19 @@ def is_frozen_bn(module: nn.Module) -> bool:
     )
 
 
+def is_plain_conv2d(module: nn.Module) -> bool:
+    """An ``nn.Conv2d`` or a subclass that computes what it does (its own ``__init__`` only,
+    as transformers' ``EfficientNetDepthwiseConv2d``): fused like one. Traced through, such a
+    subclass became a functional ``conv2d`` call that no pattern took (HF EfficientNet: none
+    of its 16 depthwise convs fused)."""
+    cls = type(module)
+    return (
+        isinstance(module, nn.Conv2d)
+        and cls.forward is nn.Conv2d.forward
+        and cls._conv_forward is nn.Conv2d._conv_forward
+    )
+
+
 class _Graph:
     """The traced model with the queries the matchers need."""
 
@@ -195,8 +208,8 @@ def _pair(v) -> list[int] | None:
 
 def _match_conv(g: _Graph, node: fx.Node) -> _Conv | str | None:
     """The conv at ``node``; a reason string if it is a conv we cannot fuse; else None."""
-    conv = g.module(node, nn.Conv2d)
-    if conv is not None:
+    conv = g.modules.get(node.target) if node.op == "call_module" else None
+    if conv is not None and is_plain_conv2d(conv):
         padding = conv_padding(conv)
         if padding is None:
             return f"{node.name}: padding {conv.padding!r} / mode {conv.padding_mode!r}"
@@ -550,11 +563,14 @@ def fuse_convs_in_graph(
 
 
 class FusionTracer(fx.Tracer):
-    """torch.fx's tracer, with frozen BNs kept as calls (traced through, they are arithmetic
-    on buffers, which no pattern matches)."""
+    """torch.fx's tracer, with frozen BNs and Conv2d subclasses that only construct
+    differently kept as calls (traced through, they are arithmetic on buffers and a
+    functional conv, which no pattern matches)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return is_frozen_bn(m) or super().is_leaf_module(m, qualname)
+        if is_frozen_bn(m) or is_plain_conv2d(m):
+            return True
+        return super().is_leaf_module(m, qualname)
 
 
 def _trace(model: nn.Module, caller: str) -> fx.GraphModule:
