@@ -57,7 +57,7 @@ def depthwise_nhwc_compute(spec: Conv2dSpec, pad_stage: bool = False):
 
     def epilogue(b, i, j, ch):
         total = summed[b, i, j, ch] + bias[ch].astype(acc) if spec.bias else summed[b, i, j, ch]
-        return activate(spec.activation, total, spec.dtype, spec.device).astype(spec.dtype)
+        return activate(spec.activation, total, acc, spec.device).astype(spec.dtype)
 
     out = te.compute(shape, epilogue, name="out")
     return te.create_prim_func([x, weight] + ([bias] if spec.bias else []) + [out])
