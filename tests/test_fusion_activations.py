@@ -199,15 +199,24 @@ def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():
 
 def test_bn_fold_follows_a_parametrized_weight_and_replaced_tensors():
     """The fold's check reads the modules' own dicts; a weight that is a parametrization's
-    property (no plain parameter) and a BN buffer replaced by another tensor are seen too."""
+    property (no plain parameter: folded at every call) and a BN buffer replaced by another
+    tensor are seen too. The parametrization here hands out a fresh tensor of version 0 at
+    one address every time (as the allocator often does), which no (version, address) key
+    could tell from the last one."""
+    import numpy as np
     from torch.nn.utils import parametrize
 
     class Doubled(nn.Module):
+        def __init__(self, shape) -> None:
+            super().__init__()
+            self.out = np.empty(shape, dtype=np.float32)
+
         def forward(self, w):
-            return 2 * w
+            self.out[...] = (2 * w).detach().numpy()
+            return torch.from_numpy(self.out)
 
     conv, bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8).eval()
-    parametrize.register_parametrization(conv, "weight", Doubled())
+    parametrize.register_parametrization(conv, "weight", Doubled(tuple(conv.weight.shape)))
     fused = TVMConv2dBN(conv, bn, "relu")
     x = randn(2, 3, 9, 9)
     with torch.no_grad():

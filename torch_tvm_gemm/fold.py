@@ -71,20 +71,25 @@ class TVMConv2dBN(nn.Module):
     def relu(self) -> bool:
         return self.activation == "relu"
 
-    def _tensors(self) -> list[Tensor]:
+    def _tensors(self) -> tuple[list[Tensor], bool]:
+        """The conv's and BN's tensors, and whether all six are plain parameters or buffers
+        (else one is computed at each read, e.g. a parametrization's weight: a fresh tensor
+        of version 0, possibly at the address of the last one, which no key can follow)."""
         conv, bn = self.sources
         try:  # read from the modules' own dicts: nn.Module.__getattr__ cost ~3 us for the six
             p, bb = conv._parameters, bn._buffers
             bp = bb if self.frozen else bn._parameters  # (a frozen BN's are buffers)
             found = [p["weight"], p["bias"], bp["weight"], bp["bias"]]
             found += [bb["running_mean"], bb["running_var"]]
-        except KeyError:  # one is not a plain parameter or buffer (a parametrization's property)
+            plain = True
+        except KeyError:
             found = [conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var]
-        return [t for t in found if t is not None]
+            plain = False
+        return [t for t in found if t is not None], plain
 
     def _weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
         conv, bn = self.sources
-        tensors = self._tensors()
+        tensors, plain = self._tensors()
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return fold_conv_bn(conv, bn)  # differentiable, every call
         if torch.compiler.is_dynamo_compiling():
@@ -99,6 +104,8 @@ class TVMConv2dBN(nn.Module):
             # (and x's image: its size picks the route, hence the layout, e.g. at 7x7 pixels)
             key = (versions, tensors[0].dtype, tensors[0].device, x.shape[1:], x.dtype)
         except RuntimeError:  # inference tensors have no version: fold every time
+            key = None
+        if not plain:  # a computed tensor: fold every time
             key = None
         if key is None or key != self._key:
             with torch.no_grad():
