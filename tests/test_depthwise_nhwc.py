@@ -41,7 +41,18 @@ GEOMETRIES = {
 
 @pytest.mark.parametrize("name", list(GEOMETRIES))
 def test_channels_last_depthwise_matches_torch(name):
-    args = _depthwise(*GEOMETRIES[name])
+    _check(_depthwise(*GEOMETRIES[name]))
+
+
+@pytest.mark.parametrize("name", ["3x3", "5x5 stride 2", "no padding", "a row of 7"])
+def test_channels_last_depthwise_in_bfloat16(name):
+    """bf16 reads a float32 copy of each task's rows, whatever the taps."""
+    _check(
+        [a.bfloat16() if isinstance(a, torch.Tensor) else a for a in _depthwise(*GEOMETRIES[name])]
+    )
+
+
+def _check(args):
     x, w, b, stride, padding, dilation, groups, _, act = args
     with torch.no_grad():
         got = conv(*args)
@@ -92,7 +103,7 @@ def test_gradients_and_opcheck_on_a_channels_last_depthwise():
 
 def test_padded_rows_for_taps_beyond_a_3x3_within_the_local_buffer():
     """A 5x5 reads a padded copy of each task's rows (4 output rows, else 1 where 4 outgrow
-    the local buffer, else conditions per tap); a 3x3 or an unpadded conv never copies."""
+    the local buffer, else conditions per tap); a float32 3x3 or unpadded conv never copies."""
     from torch_tvm_gemm.schedules import cpu_depthwise_nhwc as nhwc
 
     def spec(c, size, k, padding, stride=1):
@@ -105,3 +116,5 @@ def test_padded_rows_for_taps_beyond_a_3x3_within_the_local_buffer():
     assert nhwc._row_block(spec(1024, 56, 5, 2)) is None  # even 5 rows
     assert nhwc._row_block(spec(240, 28, 3, 1)) is None
     assert nhwc._row_block(spec(240, 28, 5, 0)) is None
+    bf16 = dataclasses.replace(spec(240, 28, 3, 0), dtype="bfloat16")
+    assert nhwc._row_block(bf16) == 4

@@ -220,7 +220,7 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     conv: 0.93-1.25x at ResNet-50's 1x1 shapes at batch 8, where the NCHW routes ran at
     0.42-0.87x); a strided one on a channels_last copy of the pixels it reads. The bf16
     implicit GEMM ("nhwc") reads x and writes its output channels-last as they are, and so
-    does the fp32 depthwise kernel over channels-last pixels. Other convs run the NCHW kernel
+    does the depthwise kernel over channels-last pixels. Other convs run the NCHW kernel
     and their output is copied to channels_last."""
     n, _, out_h, out_w = shape
     if reads_patches(spec, weight):

@@ -5,7 +5,7 @@ back: those two copies cost 3-16x the conv (MobileNetV2 in channels_last at batc
 threads, AMD EPYC Zen 5: 40% of the converted model's time in copies, 0.58x eager). Here
 the vector runs along the channels: parallel over (image, output row), a tile of
 ``_width_tile`` output pixels by one vector of channels in registers, the R x S taps unrolled
-(for a 5x5, on a padded copy of the task's input rows: ``_row_block``).
+(for a 5x5, and in bf16, on a padded float32 copy of the task's input rows: ``_row_block``).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from ..kernels.conv2d import Conv2dSpec
 from ..kernels.conv2d_depthwise_nhwc import depthwise_nhwc_compute
 from ..target import CpuInfo
 
-SCHEDULE_VERSION = 4  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 5  # bump when the schedule changes the binary: it is part of the cache key
 
 
 def applies(spec: Conv2dSpec, cpu: CpuInfo) -> bool:
-    """Whether a channels_last depthwise ``spec`` runs here: float32, one output channel per
-    input channel, whole vectors of channels."""
+    """Whether a channels_last depthwise ``spec`` runs here: float32 or bfloat16, one output
+    channel per input channel, whole (float32) vectors of channels."""
     vec = cpu.vector_bytes // 4
     return (
         spec.device == "cpu"
-        and spec.dtype == "float32"
+        and spec.dtype in ("float32", "bfloat16")
         and spec.groups == spec.c == spec.k
         and spec.c % vec == 0
     )
@@ -42,7 +42,10 @@ def _width_tile(out_w: int) -> int:
 # channels_last conv + SiLU (2 threads, AMD EPYC Zen 5), conditions -> padded rows: 5x5 at
 # 28x28, 240 channels, batch 1 / 8 0.68 / 0.47x -> 1.29 / 1.02x; 14x14, 672 channels 0.86 /
 # 0.54x -> 1.27 / 0.89x; 7x7, 1152 channels 1.44x -> 2.36x. A 3x3 loses a little to the copy
-# (56x56, 144 channels, batch 8: 1.92x -> 1.57x) and keeps the conditions.
+# (56x56, 144 channels, batch 8: 1.92x -> 1.57x) and keeps the conditions. bfloat16 always
+# reads the copy, converted to float32 once per element there: its taps' bf16 loads in place
+# were not vectorized (0.26-0.40x torch's bf16 conv; with the copy 3x3 1.05-1.12x, 5x5
+# 0.58-0.96x).
 PAD_STAGE_MIN_TAPS = 10
 ROW_BLOCK = 4
 LOCAL_MAX_BYTES = 512 << 10  # the padded rows of a task, in its thread's local buffer
@@ -54,7 +57,8 @@ def _padded_rows(spec: Conv2dSpec, rows: int) -> int:
 
 def _row_block(spec: Conv2dSpec) -> int | None:
     """Output rows per task with a padded copy of their input rows, or None (conditions)."""
-    if spec.r * spec.s < PAD_STAGE_MIN_TAPS or spec.padding == (0, 0):
+    few_taps = spec.r * spec.s < PAD_STAGE_MIN_TAPS or spec.padding == (0, 0)
+    if spec.dtype == "float32" and few_taps:
         return None
     row_bytes = (spec.w + 2 * spec.padding[1]) * spec.c * 4
     for rows in (min(ROW_BLOCK, spec.out_h), 1):
