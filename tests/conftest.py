@@ -24,6 +24,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, k: int = 1) -> No
     torch.testing.assert_close(actual, expected.to(actual.dtype), **tolerance(actual.dtype, k))
 
 
+def run_on(path: str, fn):
+    """``fn()`` with the ops served by the ``"cpp"`` or ``"python"`` impls, then as before."""
+    previous = torch_tvm_gemm.ops.use_impl(path)
+    try:
+        return fn()
+    finally:
+        torch_tvm_gemm.ops.use_impl(previous)
+
+
 def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     return torch.randn(*shape, generator=g).to(dtype)

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, randn
+from conftest import assert_close, randn, run_on
 
 from torch_tvm_gemm import _ext, ops
 from torch_tvm_gemm.runtime import table
@@ -32,14 +32,6 @@ def impl(request):
     previous = ops.use_impl(request.param)
     yield request.param
     ops.use_impl(previous)
-
-
-def _run_on(path: str, fn):
-    previous = ops.use_impl(path)
-    try:
-        return fn()
-    finally:
-        ops.use_impl(previous)
 
 
 # --- results ---------------------------------------------------------------------------------
@@ -116,7 +108,7 @@ def test_both_paths_agree_bitwise():
     a, b = randn(33, 65), randn(65, 19)
     x, w, bias = randn(3, 65), randn(19, 65), randn(19)
     got = {
-        path: _run_on(path, lambda: (mm(a, b), lin(x, w, bias, "gelu")))
+        path: run_on(path, lambda: (mm(a, b), lin(x, w, bias, "gelu")))
         for path in ("cpp", "python")
     }
     for c, p in zip(got["cpp"], got["python"], strict=True):
@@ -185,7 +177,7 @@ def _outcome(path: str, call):
         except Exception as err:  # noqa: BLE001 (compared between the paths)
             return ("error", type(err), str(err))
 
-    return _run_on(path, run)
+    return run_on(path, run)
 
 
 @needs_ext
@@ -237,7 +229,7 @@ def _error_of(path: str, call) -> tuple[type, str]:
             call()
         return info.type, str(info.value)
 
-    return _run_on(path, run)
+    return run_on(path, run)
 
 
 @needs_ext
@@ -326,7 +318,7 @@ def test_cpp_miss_hands_python_the_call(monkeypatch):
     table.clear_table()
     x, w, b = randn(4, 64), randn(80, 64), randn(80)
     a, bm = randn(5, 24), randn(24, 9)
-    _run_on("cpp", lambda: (lin(x, w, b, "relu"), mm(a, bm)))
+    run_on("cpp", lambda: (lin(x, w, b, "relu"), mm(a, bm)))
     assert asked == [
         ops.gemm_spec("float32", 4, 80, 64, "nk", bias=True, activation="relu"),
         ops.gemm_spec("float32", 5, 9, 24, "kn", static_k=False),
@@ -425,11 +417,11 @@ def test_no_leak_cpp():
 def test_clear_table_clears_cpp_table():
     if EXT is None:
         pytest.skip("C++ extension not built")
-    _run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))
+    run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))
     assert EXT.table_size() > 0
     table.clear_table()
     assert EXT.table_size() == 0
-    out = _run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))  # reloads through Python
+    out = run_on("cpp", lambda: mm(randn(4, 8), randn(8, 3)))  # reloads through Python
     assert out.shape == (4, 3)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, randn
+from conftest import assert_close, randn, run_on
 
-from torch_tvm_gemm import _ext, ops
+from torch_tvm_gemm import _ext
 from torch_tvm_gemm.kernels.conv2d import torch_activation
 from torch_tvm_gemm.runtime import table
 
@@ -18,14 +18,6 @@ pytestmark = pytest.mark.skipif(EXT is None, reason=f"C++ extension not built ({
 
 conv = torch.ops.tvm_gemm.conv2d_bias_relu
 CL = torch.channels_last
-
-
-def _run_on(path: str, fn):
-    previous = ops.use_impl(path)
-    try:
-        return fn()
-    finally:
-        ops.use_impl(previous)
 
 
 def _case(x, w, bias=True, stride=1, padding=0, groups=1, act="relu"):
@@ -61,8 +53,8 @@ CASES = {
 def test_both_paths_agree_bitwise(name):
     args = CASES[name]()
     with torch.no_grad():
-        cpp = _run_on("cpp", lambda: conv(*args))
-        py = _run_on("python", lambda: conv(*args))
+        cpp = run_on("cpp", lambda: conv(*args))
+        py = run_on("python", lambda: conv(*args))
     assert torch.equal(cpp, py)
     assert cpp.stride() == py.stride()
     x, w, b, stride, padding, dilation, groups, _, act = args
@@ -76,9 +68,9 @@ def test_repeated_calls_read_the_weight_each_time():
     pairs = ((randn(1, 8, 9, 9), randn(16, 8, 3, 3)), (randn(2, 24, 1, 1), randn(12, 24, 1, 1)))
     for x, w in pairs:
         args = (x, w, None, [1, 1], [0, 0], [1, 1], 1, True, "none")
-        first = _run_on("cpp", lambda args=args: conv(*args))
+        first = run_on("cpp", lambda args=args: conv(*args))
         w.data.mul_(-2)
-        second = _run_on("cpp", lambda args=args: conv(*args))
+        second = run_on("cpp", lambda args=args: conv(*args))
         assert_close(second, F.conv2d(x, w), k=w[0].numel())
         assert_close(second, first * -2, k=w[0].numel())
 
@@ -103,7 +95,7 @@ def test_same_errors(name):
                 BAD_CALLS[name]()
             return info.type, str(info.value)
 
-        return _run_on(path, run)
+        return run_on(path, run)
 
     cpp, py = error_on("cpp"), error_on("python")
     assert cpp == py
@@ -115,26 +107,24 @@ def test_a_bad_call_is_not_planned():
     table.clear_table()
     for _ in range(2):
         with pytest.raises(ValueError):
-            _run_on("cpp", BAD_CALLS["bias size"])
+            run_on("cpp", BAD_CALLS["bias size"])
     assert EXT.conv_table_size() == 0
 
 
 def test_clear_table_clears_the_conv_routes():
     x, w = randn(1, 8, 9, 9), randn(16, 8, 3, 3)
-    _run_on("cpp", lambda: conv(x, w, None))
+    run_on("cpp", lambda: conv(x, w, None))
     assert EXT.conv_table_size() > 0
     table.clear_table()
     assert EXT.conv_table_size() == 0
-    assert_close(_run_on("cpp", lambda: conv(x, w, None)), F.relu(F.conv2d(x, w)), k=72)
+    assert_close(run_on("cpp", lambda: conv(x, w, None)), F.relu(F.conv2d(x, w)), k=72)
 
 
 def test_gradients_through_the_cpp_path():
     x = randn(2, 8, 6, 6).requires_grad_()
     w = randn(16, 8, 3, 3).requires_grad_()
     b = randn(16).requires_grad_()
-    got = _run_on(
-        "cpp", lambda: torch.autograd.grad(conv(x, w, b, [1, 1], [1, 1]).sum(), (x, w, b))
-    )
+    got = run_on("cpp", lambda: torch.autograd.grad(conv(x, w, b, [1, 1], [1, 1]).sum(), (x, w, b)))
     want = torch.autograd.grad(F.relu(F.conv2d(x, w, b, 1, 1)).sum(), (x, w, b))
     for g, r in zip(got, want, strict=True):
         assert_close(g, r, k=144)
@@ -150,17 +140,17 @@ def test_which_routes_stay_in_cpp(monkeypatch, name, in_cpp):
     from torch_tvm_gemm.ops import conv_ops
 
     args = CASES[name]()
-    _run_on("cpp", lambda: conv(*args))  # plans the geometry
+    run_on("cpp", lambda: conv(*args))  # plans the geometry
 
     def python_impl(*_args):
         raise RuntimeError("the Python impl was called")
 
     monkeypatch.setattr(conv_ops, "_conv2d_impl", python_impl)
     if in_cpp:
-        _run_on("cpp", lambda: conv(*args))
+        run_on("cpp", lambda: conv(*args))
     else:
         with pytest.raises(RuntimeError, match="Python impl was called"):
-            _run_on("cpp", lambda: conv(*args))
+            run_on("cpp", lambda: conv(*args))
 
 
 @pytest.mark.parametrize("path", ["cpp", "python"])
@@ -177,7 +167,7 @@ def test_one_pixel_output_takes_in_place_writes_in_training(path):
         y.sum().backward()
         return x.grad.clone()
 
-    grad = _run_on(path, run)
+    grad = run_on(path, run)
     x.grad = None
     assert_close(grad[1], w.sum(0).detach(), k=12)
     assert torch.equal(grad[0], torch.zeros_like(grad[0]))
