@@ -254,12 +254,18 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     return y.contiguous(memory_format=CL)
 
 
+@functools.lru_cache(maxsize=4096)
+def _nhwc_spec(spec: Conv2dSpec) -> Conv2dSpec:
+    """``spec``'s kernel over channels-last pixels (one object per geometry, as ``_conv_spec``)."""
+    return dataclasses.replace(spec, layout="nhwc")
+
+
 def _depthwise_nhwc(x: Tensor, weight: Tensor, bias: Tensor | None, spec, shape) -> Tensor:
     """A depthwise conv of a channels_last ``x`` by the kernel over its channels-last pixels
     (``schedules/cpu_depthwise_nhwc.py``): x read as it lies, the weight as (R, S, C) (a copy
     of R*S*C values), the output written channels-last. Planning records that kernel."""
     n, k, out_h, out_w = shape
-    nhwc = dataclasses.replace(spec, layout="nhwc")
+    nhwc = _nhwc_spec(spec)
     found = active_plan()
     if found is not None:
         found.record(nhwc)
