@@ -267,3 +267,34 @@ def test_a_killed_tuning_worker_is_an_exception_naming_the_kernel(fresh_cache):
     killer.join()
     assert killed and info.value.kernel == spec.name() and info.value.exit_code == -9
     assert not psutil.pid_exists(killed[0])  # reaped: no zombie left behind
+
+
+STOP_CHILD = """
+import ctypes, os, signal, time
+from torch_tvm_gemm.compiler.worker import _interruptible
+from torch_tvm_gemm.runtime.build_worker import STOP_SIGNAL
+
+def run(request):
+    stops = []
+    signal.signal(signal.SIGINT, lambda signum, frame: stops.append(int(signum)))  # a tuning's flag
+    # what the compiler's SMT solver does while it proves: SIGINT taken over at the C level
+    ctypes.CDLL(None).signal(signal.SIGINT, ctypes.c_void_p(1))  # SIG_IGN
+    os.kill(os.getpid(), signal.SIGINT)  # lost
+    os.kill(os.getpid(), STOP_SIGNAL)  # the caller's Ctrl-C, passed on
+    deadline = time.monotonic() + 10
+    while not stops and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stops
+
+print("stops:", _interruptible(run, {}))
+"""
+
+
+def test_the_stop_signal_reaches_the_tuning_loop_while_sigint_is_taken():
+    env = {**os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", STOP_CHILD], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"stops: [{int(signal.SIGINT)}]" in proc.stdout, proc.stdout + proc.stderr

@@ -233,11 +233,13 @@ def test_ctrl_c_stops_between_rounds_and_the_rerun_resumes(cache_home):
     import time
 
     spec = GemmSpec("float32", 40, None, "kn")
-    args = ["tune", "--op", "matmul", "--shapes", "33x40x24", "--trials", "24"]
+    # Rounds take ~3 s here; a loaded machine may handle the signal a round or two late, so
+    # the budget is far from what can be measured before it stops.
+    args = ["tune", "--op", "matmul", "--shapes", "33x40x24", "--trials"]
     env = {**os.environ, "TVM_GEMM_CACHE_DIR": str(cache_home)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch_tvm_gemm", *args],
+        [sys.executable, "-m", "torch_tvm_gemm", *args, "200"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -255,6 +257,6 @@ def test_ctrl_c_stops_between_rounds_and_the_rerun_resumes(cache_home):
     assert proc.returncode == 130, out
     assert "interrupted" in out
     measured = len(record_lines(spec))
-    assert 0 < measured < 24
-    again = run_cli(*args, cache_dir=cache_home)
-    assert f"24 trials ({24 - measured} new)" in again, again  # resumed, not restarted
+    assert 0 < measured < 200, out
+    again = run_cli(*args, str(measured + 8), cache_dir=cache_home)
+    assert f"{measured + 8} trials (8 new)" in again, again  # resumed, not restarted

@@ -268,7 +268,10 @@ def _ctrl_c_flag():
     builder or runner is, at best, turned into a RuntimeError or a failed trial, and at
     worst crashes the process (seen: a segfault). So the first Ctrl-C only sets a flag that
     the round loop checks (the current round ends in seconds; what it measured is kept);
-    a second one interrupts at once, as usual.
+    a second one interrupts at once, as usual. (In this process, a Ctrl-C that lands
+    while the compiler's SMT solver proves a bound is taken by the solver, which gives up
+    that proof: press again. A tuning worker is stopped by another signal; see
+    ``runtime.build_worker.STOP_SIGNAL``.)
     """
     state = {"hit": False}
     on_main = threading.current_thread() is threading.main_thread()

@@ -11,9 +11,9 @@ request: ``{"kind": "tune", "spec", "m", "k", "options", "database", "env", "cwd
 options of ``compiler.tune.tune_spec``; tuning workers are started with torch, which the
 verdict needs). A reply: ``{"seconds", "result", "interrupted", "warnings", "error",
 "error_text", "traceback"}`` (``result``: a tuning's ``TuneResult``; ``interrupted``: a
-tuning stopped by SIGINT, what it measured kept; ``error``: None, or the exception pickled,
-or b"" where it cannot cross as itself: the caller then raises ``KernelBuildError`` with
-the text).
+tuning stopped by the caller's STOP_SIGNAL, what it measured kept; ``error``: None, or the
+exception pickled, or b"" where it cannot cross as itself: the caller then raises
+``KernelBuildError`` with the text).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 import traceback
 import warnings
 
-from ..runtime.build_worker import SAFE_MODULES
+from ..runtime.build_worker import SAFE_MODULES, STOP_SIGNAL
 from ..runtime.worker_pipe import MESSAGE_HEADER, read_exact, write_all
 
 ORPHAN_POLL_S = 1.0  # how often a busy worker checks that its caller is alive
@@ -79,7 +79,7 @@ def serve(request: dict) -> dict:
                     reply["seconds"] = build_to_file(spec, path, arch)
                 finally:
                     done.set()
-        except KeyboardInterrupt:  # SIGINT from the caller: tuning stopped between rounds
+        except KeyboardInterrupt:  # the caller's STOP_SIGNAL: tuning stopped between rounds
             reply["interrupted"] = True
         except Exception as err:
             reply["error_text"] = f"{type(err).__name__}: {err}"
@@ -115,16 +115,28 @@ def _abandon(path: str) -> None:
 
 
 def _interruptible(run, request: dict):
-    """``run(request)`` with SIGINT raising KeyboardInterrupt (the caller's way to stop a
-    tuning: ``compiler.tune`` then stops after the current round), and SIGINT sent to
-    ourselves if the caller dies meanwhile (stop likewise, keeping what was measured)."""
+    """``run(request)`` with STOP_SIGNAL acting as a Ctrl-C (the caller's way to stop a
+    tuning: ``compiler.tune`` then stops after the current round), and sent to ourselves if
+    the caller dies meanwhile (stop likewise, keeping what was measured).
+
+    STOP_SIGNAL calls whatever Python handler SIGINT has at that moment (KeyboardInterrupt,
+    or the tuning loop's stop-after-this-round flag): Python's table, not the process's,
+    which the compiler's SMT solver takes over while it proves (see STOP_SIGNAL)."""
+
+    def as_ctrl_c(signum, frame) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
-    done = _when_orphaned(lambda: os.kill(os.getpid(), signal.SIGINT))
+    signal.signal(STOP_SIGNAL, as_ctrl_c)
+    done = _when_orphaned(lambda: os.kill(os.getpid(), STOP_SIGNAL))
     try:
         return run(request)
     finally:
         done.set()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late one must not kill the reply
+        for signum in (signal.SIGINT, STOP_SIGNAL):  # a late one must not kill the reply
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _portable_class(cls: type, fallback: type) -> type:

@@ -46,6 +46,11 @@ ENV_IN_PROCESS = "TVM_GEMM_BUILD_IN_PROCESS"  # "1": build in the calling proces
 ENV_WORKERS = "TVM_GEMM_BUILD_WORKERS"  # most workers at once (default: the usable cores)
 IDLE_TIMEOUT_S = 300.0  # an idle worker is stopped after this long (its memory freed)
 STDERR_TAIL_BYTES = 4096  # how much of a dead worker's stderr its error quotes
+# How a caller tells a tuning worker "stop after this round" (its Ctrl-C, passed on). Not
+# SIGINT: while the compiler proves a bound with its SMT solver (Z3) it holds SIGINT for
+# itself and swallows the first one, so a forwarded SIGINT was sometimes lost and the
+# tuning ran to its end.
+STOP_SIGNAL = signal.SIGUSR1
 # What a reply may name (exception and warning classes): never the compiler's own modules,
 # whose unpickling would import ``tvm`` here.
 SAFE_MODULES = ("builtins", "torch_tvm_gemm", "tvm_ffi")
@@ -165,8 +170,8 @@ def ask_alone(request: dict, spec, doing: str) -> dict:
     """Run one request in a worker of its own, then stop it: for a tuning (``doing``), which
     takes minutes and needs torch. The worker may import torch and its stderr (progress,
     the compiler's messages) is passed on to ours as it comes. The first Ctrl-C is passed
-    to the worker (a tuning stops after its round and replies ``interrupted``), a second
-    one kills it; either way KeyboardInterrupt is raised here. No timeout: the request ends
+    to the worker as STOP_SIGNAL (a tuning stops after its round and replies
+    ``interrupted``), a second one kills it; either way KeyboardInterrupt is raised here. No timeout: the request ends
     when the worker replies or dies (``KernelBuildError``, naming ``doing`` and the cause).
     """
     try:
@@ -181,7 +186,7 @@ def ask_alone(request: dict, spec, doing: str) -> dict:
     def on_ctrl_c(signum, frame) -> None:
         ctrl_c["hits"] += 1
         if ctrl_c["hits"] == 1:
-            os.kill(worker.proc.pid, signal.SIGINT)
+            os.kill(worker.proc.pid, STOP_SIGNAL)
         else:
             worker.proc.kill()
 
