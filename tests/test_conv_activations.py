@@ -22,12 +22,15 @@ def reference(x, w, b, activation, padding=0, groups=1):
     return torch_activation(activation)(y)
 
 
-# (C, K, H, W, kernel, groups): the blocked kernel, the direct one (depthwise), a 1x1 conv
-# that runs as a GEMM per image (C <= 64, >= 1024 pixels).
+# (C, K, H, W, kernel, groups): the blocked kernel, the direct one (depthwise), 1x1 convs
+# that run as GEMMs with the epilogue in the GEMM kernel: per image (C <= 64, >= 1024
+# pixels), over a channels_last x's pixels, over one pixel a image.
 VARIANTS = {
     "blocked": (6, 20, 9, 8, 3, 1),
     "depthwise": (8, 8, 9, 8, 3, 8),
     "pointwise": (8, 12, 32, 33, 1, 1),
+    "pointwise-channels_last": (8, 12, 5, 6, 1, 1),
+    "one-pixel": (8, 12, 1, 1, 1, 1),
 }
 
 
@@ -41,6 +44,8 @@ def test_values_with_nan_and_inf(activation, dtype, variant):
     special = [float("nan"), float("inf"), -float("inf"), -3.0, 0.0, 3.0, 6.0, -0.0]
     b = torch.cat([torch.tensor(special), 4 * torch.randn(k - len(special))]).to(dtype)
     x, wt = randn(2, c, h, w, dtype=dtype), randn(k, c // groups, r, r, dtype=dtype)
+    if variant.endswith("channels_last"):
+        x = x.contiguous(memory_format=torch.channels_last)
     y = op(x, wt, b, [1, 1], [r // 2] * 2, [1, 1], groups, True, activation)
     expected = reference(x, wt, b, activation, r // 2, groups).to(dtype)
     assert y[:, 0].isnan().all()  # NaN stays NaN through every epilogue
@@ -201,3 +206,23 @@ def test_compile_cli_parses_activations():
         assert spec.activation == name and not spec.relu and spec.stride == (1, 1)
     assert parse_conv_op("conv2d:float16:8:16:3x3:9x9:norelu").activation == "none"
     assert parse_conv_op("conv2d:float16:8:16:3x3:9x9").activation == "relu"
+
+
+@pytest.mark.parametrize("activation", ["relu6", "hardswish", "leaky_relu_0.1"])
+@pytest.mark.parametrize("variant", ["pointwise", "pointwise-channels_last", "one-pixel"])
+def test_a_gemm_route_runs_the_epilogue_in_the_gemm_kernel(activation, variant):
+    """Not as a second pass over the output: the GEMM kernel asked for carries it."""
+    from torch_tvm_gemm.ops import plan
+
+    c, k, h, w, _, _ = VARIANTS[variant]
+    x, wt, b = randn(2, c, h, w), randn(k, c, 1, 1), randn(k)
+    if variant.endswith("channels_last"):
+        x = x.contiguous(memory_format=torch.channels_last)
+    planned = plan.Plan()
+    previous = plan.activate(planned)
+    try:
+        op(x, wt, b, [1, 1], [0, 0], [1, 1], 1, True, activation)
+    finally:
+        plan.activate(previous)
+    gemms = [s for s in planned.specs if s.family == "gemm"]
+    assert [s.activation for s in gemms] == [activation], planned.specs

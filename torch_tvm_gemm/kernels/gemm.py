@@ -13,8 +13,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# gelu: exact erf form (F.gelu); gelu_tanh: F.gelu(approximate="tanh"); silu: x * sigmoid(x).
+from . import conv2d
+
+# The linear op's activations. gelu: exact erf form (F.gelu); gelu_tanh: F.gelu(approximate=
+# "tanh"); silu: x * sigmoid(x).
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+
+def is_epilogue(name: str) -> bool:
+    """Whether a GEMM kernel can end in ``name``: the linear op's ACTIVATIONS, and the conv
+    op's epilogues (relu6, hardswish, leaky_relu...) for the convs it runs as GEMMs (a 1x1
+    conv over its pixels). Only the conv op asks for the latter."""
+    return name in ACTIVATIONS or conv2d.is_activation(name)
 
 
 def torch_activation(name: str):
@@ -23,6 +33,8 @@ def torch_activation(name: str):
     top: the compile worker imports this module without torch.)"""
     import torch.nn.functional as F
 
+    if name not in ACTIVATIONS:
+        return conv2d.torch_activation(name)
     return {
         "none": lambda t: t,
         "relu": F.relu,
@@ -63,7 +75,7 @@ class GemmSpec:
 
     def __post_init__(self) -> None:
         # Internal invariants: user input is validated in ops/checks.py before a spec is made.
-        if self.dtype not in DTYPES or self.activation not in ACTIVATIONS:
+        if self.dtype not in DTYPES or not is_epilogue(self.activation):
             raise ValueError(f"bad GemmSpec {self}")
         if self.b_layout not in ("kn", "nk") or self.bias_axis not in ("n", "m"):
             raise ValueError(f"bad GemmSpec {self}")
@@ -125,6 +137,8 @@ def apply_activation(x, activation: str, dtype: str, device: str = "cpu"):
         return epilogue.gelu_tanh(x, dtype, device)
     if activation == "silu":  # F.silu: x * sigmoid(x)
         return epilogue.silu(x, dtype, device)
+    if conv2d.is_activation(activation):  # relu6, hardswish, leaky_relu (a conv's GEMM)
+        return conv2d.activate(activation, x, dtype, device)
     raise ValueError(f"unknown activation {activation!r}")
 
 

@@ -397,27 +397,9 @@ def _gemm_per_image(w: Tensor, pixels: Tensor, bias: Tensor | None, act: str, ou
 
 
 def _gemm_activated(a, b, b_layout: str, bias, act: str, out: Tensor, bias_axis: str) -> None:
-    """``out = act(a @ B + bias)`` by the GEMM kernel. An activation the GEMM kernel lacks
-    (relu6, hardswish, leaky_relu) is torch's, in place on the output while it is in cache:
-    the GEMM kernel is what makes these convs fast (1.5-2x the blocked conv kernel), the
-    extra pass costs little."""
-    fused = act if act in GEMM_ACTIVATIONS else "none"
-    gemm(a, b, b_layout, bias, fused, out=out, bias_axis=bias_axis)
-    if fused != act:
-        _activate_inplace(act, out)
-
-
-def _activate_inplace(act: str, t: Tensor) -> None:
-    """A conv epilogue the GEMM kernel lacks, in place on ``t``."""
-    slope = leaky_relu_slope(act)
-    if slope is not None:
-        torch.nn.functional.leaky_relu_(t, slope)
-    elif act == "relu6":
-        torch.nn.functional.hardtanh_(t, 0.0, 6.0)  # = F.relu6
-    elif act == "hardswish":
-        torch.nn.functional.hardswish(t, inplace=True)
-    else:
-        raise AssertionError(f"tvm_gemm: no in-place form of the epilogue {act!r}")
+    """``out = act(a @ B + bias)`` by the GEMM kernel, the conv's epilogue in the kernel's
+    (relu6, hardswish and leaky_relu too: ``kernels/gemm.is_epilogue``)."""
+    gemm(a, b, b_layout, bias, act, out=out, bias_axis=bias_axis)
 
 
 def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, activation, shape):
