@@ -171,8 +171,9 @@ def ask_alone(request: dict, spec, doing: str) -> dict:
     takes minutes and needs torch. The worker may import torch and its stderr (progress,
     the compiler's messages) is passed on to ours as it comes. The first Ctrl-C is passed
     to the worker as STOP_SIGNAL (a tuning stops after its round and replies
-    ``interrupted``), a second one kills it; either way KeyboardInterrupt is raised here. No timeout: the request ends
-    when the worker replies or dies (``KernelBuildError``, naming ``doing`` and the cause).
+    ``interrupted``), a second one kills it; either way KeyboardInterrupt is raised here.
+    No timeout: the request ends when the worker replies or dies (``KernelBuildError``,
+    naming ``doing`` and the cause).
     """
     try:
         worker = _Worker(with_torch=True, echo_stderr=True)
