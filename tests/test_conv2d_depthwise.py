@@ -49,6 +49,11 @@ CASES = [
     (1, 3, 9, LLVM_PHASE_SPLIT_MIN_W + 2, 1, 3, 2, 0, 1),
     (2, 2, 7, LLVM_PHASE_SPLIT_MIN_W + 1, 2, 3, (1, 2), (1, 0), 1),
     (1, 2, 8, LLVM_PHASE_SPLIT_MIN_W + 5, 1, 3, 2, 1, 2),
+    # rows of 3, 5-7 or 9-15 columns are computed 8 or 16 wide (kernels/conv2d_depthwise.py
+    # row_width) and their columns copied: EfficientNet's 5x5 at 7x7 and 14x14, a 7x7 kernel
+    (2, 16, 7, 7, 1, 5, 1, 2, 1),
+    (2, 16, 14, 14, 1, 7, 1, 3, 1),
+    (1, 4, 9, 23, 1, 5, 2, 2, 1),  # 10 columns at stride 2
 ]
 
 

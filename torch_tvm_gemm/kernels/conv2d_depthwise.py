@@ -20,6 +20,16 @@ def tap_phases(spec: Conv2dSpec) -> list[int]:
     return sorted({rs * dw % sw for rs in range(spec.s)})
 
 
+def row_width(ow: int) -> int:
+    """The columns an output row of ``ow`` is computed over. A row of 3, 5-7 or 9-15 columns
+    as a vector of its own width is loaded in two or three pieces at every tap (seen: 7
+    columns, a 4 + 2 + 1 load and two inserts per tap); it is computed 8 or 16 wide instead,
+    one whole-register load a tap, and the extra columns (zero padding read) not stored."""
+    if ow > 16 or ow & (ow - 1) == 0:  # wide, or a whole register already
+        return ow
+    return 8 if ow < 8 else 16
+
+
 def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
     """The unscheduled PrimFunc ``main(x, weight, [bias,] out)`` of a depthwise ``spec``.
 
@@ -28,7 +38,9 @@ def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
     column ``q * sw + p``), read from "x_pad" (``split_after_pad``) or padded themselves
     from ``x`` (then there is no "x_pad"); "out", the
     R x S taps summed in order, the bias, the activation and the cast, for each output. The
-    taps are written out (not a reduction axis) so that each reads its phase's stage.
+    taps are written out (not a reduction axis) so that each reads its phase's stage. Where
+    ``row_width`` widens the rows, "out_row" computes them that wide and "out" copies the
+    output's columns.
     """
     from tvm import te, tirx
 
@@ -38,7 +50,8 @@ def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
     phases = tap_phases(spec)
     oh, ow = spec.out_h, spec.out_w
     hp = (oh - 1) * sh + (spec.r - 1) * dh + 1
-    wq = ow + ((spec.s - 1) * dw) // sw  # columns of each phase that the taps read
+    wide = row_width(ow)
+    wq = wide + ((spec.s - 1) * dw) // sw  # columns of each phase that the taps read
 
     n = tirx.Var("N", "int64")
     x = te.placeholder((n, spec.c, spec.h, spec.w), spec.dtype, name="x")
@@ -85,6 +98,16 @@ def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
             v = v + bias[k].astype(acc)
         return activate(spec.activation, v, acc, spec.device).astype(spec.dtype)
 
-    out = te.compute((n, spec.k, oh, ow), final, name="out")
+    if wide == ow:
+        out = te.compute((n, spec.k, oh, ow), final, name="out")
+    else:
+        rows = te.compute((n, spec.k, oh, wide), final, name="out_row")
+
+        def column(b, k, i, j):
+            # (The never-taken read of the last wide column makes the copy's reads span the
+            # whole wide row, so that a row computed where the copy needs it stays wide.)
+            return tirx.if_then_else(j < ow, rows[b, k, i, j], rows[b, k, i, wide - 1])
+
+        out = te.compute((n, spec.k, oh, ow), column, name="out")
     args = [x, weight] + ([bias] if spec.bias else []) + [out]
     return te.create_prim_func(args).with_attr("global_symbol", "main")

@@ -16,9 +16,9 @@ loads and by whatever runs per element besides the FMAs. So:
 from __future__ import annotations
 
 from ..kernels.conv2d import Conv2dSpec
-from ..kernels.conv2d_depthwise import depthwise_compute, tap_phases
+from ..kernels.conv2d_depthwise import depthwise_compute, row_width, tap_phases
 
-SCHEDULE_VERSION = 6  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 7  # bump when the schedule changes the binary: it is part of the cache key
 
 ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
 LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split
@@ -38,7 +38,7 @@ def is_depthwise(spec: Conv2dSpec) -> bool:
 def _local_bytes(spec: Conv2dSpec) -> int:
     (sh, sw), dh = spec.stride, spec.dilation[0]
     rows = (min(ROW_BLOCK, spec.out_h) - 1) * sh + (spec.r - 1) * dh + 1
-    cols = (spec.out_w + (spec.s - 1) * spec.dilation[1] // sw) * sw
+    cols = (row_width(spec.out_w) + (spec.s - 1) * spec.dilation[1] // sw) * sw
     copies = 2 if _split_after_pad(spec) else 1  # the padded row and its phases
     return rows * cols * copies * (8 if spec.acc_dtype == "float64" else 4)
 
@@ -78,6 +78,11 @@ def schedule_depthwise(spec: Conv2dSpec, row_block: int = ROW_BLOCK):
     # conv), outside the images.
     sch.reorder(k, b, io)
     sch.parallel(k)
+    if row_width(spec.out_w) != spec.out_w:  # each row computed wider, its columns copied
+        rows = sch.get_sblock("out_row")
+        sch.compute_at(rows, ii)
+        sch.set_scope(rows, 0, "local")
+        sch.vectorize(sch.get_loops(rows)[-1])
     sch.vectorize(ji)
     if sw > 1:
         for p in tap_phases(spec):
