@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..kernels.conv2d import Conv2dSpec
 from ..kernels.conv2d_depthwise import depthwise_compute, row_width, tap_phases
 
-SCHEDULE_VERSION = 7  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 8  # bump when the schedule changes the binary: it is part of the cache key
 
 ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
 LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split
@@ -79,10 +79,15 @@ def schedule_depthwise(spec: Conv2dSpec, row_block: int = ROW_BLOCK):
     sch.reorder(k, b, io)
     sch.parallel(k)
     if row_width(spec.out_w) != spec.out_w:  # each row computed wider, its columns copied
+        # The task's rows computed together, the row loop unrolled: a row of one register
+        # is one chain of R*S dependent FMAs, and the rows' chains now interleave (measured,
+        # time against a row at a time: 7 columns 0.84-0.93, 14 columns 0.93-0.99).
         rows = sch.get_sblock("out_row")
-        sch.compute_at(rows, ii)
+        sch.compute_at(rows, io)
         sch.set_scope(rows, 0, "local")
-        sch.vectorize(sch.get_loops(rows)[-1])
+        row_loop, col_loop = sch.get_loops(rows)[-2:]
+        sch.vectorize(col_loop)
+        sch.unroll(row_loop)
     sch.vectorize(ji)
     if sw > 1:
         for p in tap_phases(spec):
