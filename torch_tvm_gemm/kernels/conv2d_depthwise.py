@@ -20,12 +20,15 @@ def tap_phases(spec: Conv2dSpec) -> list[int]:
     return sorted({rs * dw % sw for rs in range(spec.s)})
 
 
-def row_width(ow: int) -> int:
-    """The columns an output row of ``ow`` is computed over. A row of 3, 5-7 or 9-15 columns
-    as a vector of its own width is loaded in two or three pieces at every tap (seen: 7
-    columns, a 4 + 2 + 1 load and two inserts per tap); it is computed 8 or 16 wide instead,
-    one whole-register load a tap, and the extra columns (zero padding read) not stored."""
-    if ow > 16 or ow & (ow - 1) == 0:  # wide, or a whole register already
+def row_width(spec: Conv2dSpec) -> int:
+    """The columns an output row is computed over. A row of 3, 5-7 or 9-15 columns as a
+    vector of its own width is loaded in two or three pieces at every tap (seen: 7 columns,
+    a 4 + 2 + 1 load and two inserts per tap); it is computed 8 or 16 wide instead, one
+    whole-register load a tap, and the extra columns (zero padding read) not stored. Not
+    without padding: the taps then read x itself, and past its columns each load would
+    keep its bounds check (scalar code)."""
+    ow = spec.out_w
+    if ow > 16 or ow & (ow - 1) == 0 or spec.padding == (0, 0):
         return ow
     return 8 if ow < 8 else 16
 
@@ -50,7 +53,7 @@ def depthwise_compute(spec: Conv2dSpec, split_after_pad: bool = False):
     phases = tap_phases(spec)
     oh, ow = spec.out_h, spec.out_w
     hp = (oh - 1) * sh + (spec.r - 1) * dh + 1
-    wide = row_width(ow)
+    wide = row_width(spec)
     wq = wide + ((spec.s - 1) * dw) // sw  # columns of each phase that the taps read
 
     n = tirx.Var("N", "int64")

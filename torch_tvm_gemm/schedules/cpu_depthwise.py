@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..kernels.conv2d import Conv2dSpec
 from ..kernels.conv2d_depthwise import depthwise_compute, row_width, tap_phases
 
-SCHEDULE_VERSION = 8  # bump when the schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 9  # bump when the schedule changes the binary: it is part of the cache key
 
 ROW_VECTOR = 128  # the widest output row kept as one vector (8 AVX-512 registers of fp32)
 LLVM_PHASE_SPLIT_MIN_W = 48  # input width from which LLVM vectorizes the phase split
@@ -38,7 +38,7 @@ def is_depthwise(spec: Conv2dSpec) -> bool:
 def _local_bytes(spec: Conv2dSpec) -> int:
     (sh, sw), dh = spec.stride, spec.dilation[0]
     rows = (min(ROW_BLOCK, spec.out_h) - 1) * sh + (spec.r - 1) * dh + 1
-    cols = (row_width(spec.out_w) + (spec.s - 1) * spec.dilation[1] // sw) * sw
+    cols = (row_width(spec) + (spec.s - 1) * spec.dilation[1] // sw) * sw
     copies = 2 if _split_after_pad(spec) else 1  # the padded row and its phases
     return rows * cols * copies * (8 if spec.acc_dtype == "float64" else 4)
 
@@ -78,7 +78,7 @@ def schedule_depthwise(spec: Conv2dSpec, row_block: int = ROW_BLOCK):
     # conv), outside the images.
     sch.reorder(k, b, io)
     sch.parallel(k)
-    if row_width(spec.out_w) != spec.out_w:  # each row computed wider, its columns copied
+    if row_width(spec) != spec.out_w:  # each row computed wider, its columns copied
         # The task's rows computed together, the row loop unrolled: a row of one register
         # is one chain of R*S dependent FMAs, and the rows' chains now interleave (measured,
         # time against a row at a time: 7 columns 0.84-0.93, 14 columns 0.93-0.99).
