@@ -13,6 +13,7 @@ from torch_tvm_gemm.schedules.cpu_depthwise import (
     LLVM_PHASE_SPLIT_MIN_W,
     ROW_BLOCK,
     ROW_VECTOR,
+    images_outside,
     is_depthwise,
 )
 
@@ -54,6 +55,10 @@ CASES = [
     (2, 16, 7, 7, 1, 5, 1, 2, 1),
     (2, 16, 14, 14, 1, 7, 1, 3, 1),
     (1, 4, 9, 23, 1, 5, 2, 2, 1),  # 10 columns at stride 2
+    # more than 14 x 14 outputs an image: the parallel loop runs over
+    # (image, channel) pairs (images_outside), here with an odd batch
+    (3, 5, 17, 19, 1, 3, 1, 1, 1),
+    (3, 4, 30, LLVM_PHASE_SPLIT_MIN_W + 2, 2, 3, 2, 1, 1),
 ]
 
 
@@ -102,10 +107,13 @@ def test_nan_goes_through_relu():
     assert_close(y[mask], expected[mask], k=9)
 
 
-def test_any_batch_one_kernel():
+@pytest.mark.parametrize("hw", [(7, 9), (15, 14)], ids=["channels-outside", "images-outside"])
+def test_any_batch_one_kernel(hw):
     w, b = randn(5, 1, 3, 3), randn(5)
+    spec = Conv2dSpec("float32", 5, 5, 3, 3, *hw, padding=(1, 1), groups=5)
+    assert images_outside(spec) == (hw == (15, 14))  # both orders run
     for n in (1, 4, 2 * ROW_BLOCK + 1):
-        x = randn(n, 5, 7, 9)
+        x = randn(n, 5, *hw)
         assert_close(
             tg.conv2d_bias_relu(x, w, b, 1, 1, groups=5), reference(x, w, b, 1, 1, 1, 5), k=9
         )
