@@ -76,6 +76,11 @@ struct Config {
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
   int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
+  // ... but a float32 "dot" (not "dot2") with K below min(k_per_row * M, k_cap) takes the
+  // packed kernel (schedules/cpu.py DOT_K_PER_ROW, DOT_MIN_K_CAP); k_per_row 0: never.
+  struct {
+    int64_t k_per_row = 0, k_cap = 0;
+  } dot_short_rows;
   // ... but a bfloat16 one with a static even K up to this M (schedules/cpu.py
   // bf16_dot_max_m); -1: dot_max_m.
   int64_t bf16_dot_max_m = -1;
@@ -200,7 +205,11 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   const bool bf16_pairs = bf16 && static_k && k % 2 == 0;
   const int64_t dot_max_m = bf16_pairs && g_config.bf16_dot_max_m >= 0 ? g_config.bf16_dot_max_m
                                                                        : g_config.dot_max_m;
-  if (b_nk && big_b && m >= 2 && m <= dot_max_m) return m <= g_config.dot2_max_m ? 3 : 2;
+  if (b_nk && big_b && m >= 2 && m <= dot_max_m) {
+    if (m <= g_config.dot2_max_m) return 3;
+    const auto& rows = g_config.dot_short_rows;
+    return fp32 && k < std::min(rows.k_per_row * m, rows.k_cap) ? 0 : 2;
+  }
   const auto& amx = g_config.amx_dot;
   if (b_nk && big_b && bf16_pairs && m >= 2 && m <= amx.max_m &&
       m * k * 2 <= amx.max_x_bytes) {
@@ -897,7 +906,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     bool autograd_fast_path,
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
                     const std::vector<int64_t>& one_panel_swaps,
-                    const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m) {
+                    const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m,
+                    const std::vector<int64_t>& dot_short_rows) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -908,6 +918,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
   config.bf16_dot_max_m = bf16_dot_max_m;
+  TORCH_CHECK(dot_short_rows.empty() || dot_short_rows.size() == 2,
+              "tvm_gemm: dot_short_rows must be (k_per_row, k_cap)");
+  if (!dot_short_rows.empty()) config.dot_short_rows = {dot_short_rows[0], dot_short_rows[1]};
   TORCH_CHECK(amx_dot.empty() || amx_dot.size() == 2,
               "tvm_gemm: amx_dot must be (max_m, max_x_bytes)");
   if (!amx_dot.empty()) config.amx_dot = {amx_dot[0], amx_dot[1]};
@@ -999,6 +1012,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ksplit") = std::vector<int64_t>{},
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
         py::arg("swap2") = std::vector<int64_t>{}, py::arg("bf16_dot_max_m") = -1,
+        py::arg("dot_short_rows") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -272,6 +272,10 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]
     ms += [cpu.KSPLIT_MAX_M, cpu.KSPLIT_MAX_M + 1]
+    for m in (4, 8):  # "dot" needs K >= DOT_K_PER_ROW * M (at most DOT_MIN_K_CAP)
+        ms.append(m)
+        nks += [(1152, cpu.DOT_K_PER_ROW * m - 1), (1152, cpu.DOT_K_PER_ROW * m)]
+    nks += [(768, cpu.DOT_MIN_K_CAP - 1), (768, cpu.DOT_MIN_K_CAP)]
     for variant, (rows, _, _) in cpu.ONE_PANEL_SWAPS.items():  # swap32, swap48
         ms += [rows - cpu.SWAP_SLACK - 1, rows - cpu.SWAP_SLACK, rows, rows + 1]
         max_k = cpu.one_panel_swap_max_k(variant)
@@ -316,11 +320,11 @@ def test_cpp_miss_hands_python_the_call(monkeypatch):
     real = impls.get_kernel
     monkeypatch.setattr(impls, "get_kernel", lambda spec: asked.append(spec) or real(spec))
     table.clear_table()
-    x, w, b = randn(4, 64), randn(80, 64), randn(80)
+    x, w, b = randn(4, 192), randn(80, 192), randn(80)
     a, bm = randn(5, 24), randn(24, 9)
     run_on("cpp", lambda: (lin(x, w, b, "relu"), mm(a, bm)))
     assert asked == [
-        ops.gemm_spec("float32", 4, 80, 64, "nk", bias=True, activation="relu"),
+        ops.gemm_spec("float32", 4, 80, 192, "nk", bias=True, activation="relu"),
         ops.gemm_spec("float32", 5, 9, 24, "kn", static_k=False),
     ]
     assert asked[0].variant == "dot" and asked[1].k is None

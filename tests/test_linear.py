@@ -276,7 +276,23 @@ def test_linear_two_rows(dtype, act):
     torch.testing.assert_close(
         out, reference(x, w, b, act).to(dtype), equal_nan=True, **tolerance(dtype, 77)
     )
-    assert gemm_variant(3, 100, 77, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
+    assert gemm_variant(3, 100, 150, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
+
+
+@pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (8, 383, "gemm"), (8, 384, "dot"),
+                                         (4, 191, "gemm"), (4, 192, "dot"), (2, 48, "dot2"),
+                                         (20, 767, "gemm"), (20, 768, "dot")])  # fmt: skip
+def test_dot_takes_rows_long_enough(m, k, variant):
+    # float32 rows shorter than DOT_K_PER_ROW * M (at most DOT_MIN_K_CAP) take the packed
+    # kernel (a squeeze-and-excitation conv's 48 -> 1152 at batch 8); "dot2" keeps M = 2.
+    from torch_tvm_gemm.runtime import table
+
+    assert cpu_schedules.DOT_K_PER_ROW == 48 and cpu_schedules.DOT_MIN_K_CAP == 768
+    x, w, b = randn(m, k), randn(200, k), randn(200)
+    table.clear_table()
+    out = tg.linear(x, w, b, "relu")
+    assert [s.variant for s in table._table] == [variant]
+    assert_close(out, reference(x, w, b, "relu"), k)
 
 
 @pytest.mark.parametrize("m", [56, 61, 64])

@@ -129,6 +129,7 @@ def use_impl(path: str) -> str:
             [cpu_schedules.SWAP_MIN_M, cpu_schedules.SWAP_MAX_M, cpu_schedules.swap_max_k()],
             amx_dot=list(cpu_schedules.amx_dot_limits()),
             bf16_dot_max_m=cpu_schedules.bf16_dot_max_m(),
+            dot_short_rows=[cpu_schedules.DOT_K_PER_ROW, cpu_schedules.DOT_MIN_K_CAP],
             ksplit=[
                 cpu_schedules.KSPLIT_MAX_M,
                 cpu_schedules.KSPLIT_MIN_N,

@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 34  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 35  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -58,6 +58,15 @@ GEMV_MIN_B_ELEMENTS = 1 << 12
 # torch against 1.0x and 0.9x; M=48 and up the packed kernel is ahead).
 DOT_MAX_M = 32
 DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 registers
+# Each output of the dot kernel ends in a sum across its vector's lanes, which short rows
+# do not pay for: float32 "dot" takes K of at least DOT_K_PER_ROW * M (DOT_MIN_K_CAP at
+# most), else the packed kernel. Measured (2 threads, AMD EPYC Zen 5, kernels alone, time
+# dot / packed, N = 384 and 1152): M = 4 K <= 128 1.0-2.2, K = 256 0.72-0.92; M = 8 K <= 256
+# 1.06-4.1, K = 384 0.81-1.03, K = 512 0.75-0.81; M = 16 K <= 384 1.4-7.7, K = 512 1.12-1.34
+# (the squeeze-and-excitation convs' 48 -> 1152 at M = 8: 39.5 us against 9.9 us, F.linear
+# 10.8 us). The "dot2" kernel (M = 2) was ahead at every K.
+DOT_K_PER_ROW = 48
+DOT_MIN_K_CAP = 768
 # Up to DOT2_MAX_M rows the "dot2" variant: the dot kernel with a 2-row tile (the 4-row one
 # computes 4 rows for 2; measured at M=2, 768x768, 2 threads: 1.06x torch against 0.72x; at
 # M=4 and 8 the 4-row tile is ahead, 1.18-1.21x against 1.07-1.08x). 10 rows of the weight
@@ -189,7 +198,10 @@ def gemm_variant(
                 return variant
     bf16_pairs = dtype == "bfloat16" and static_k and k % 2 == 0  # vdpbf16ps / AMX operands
     if nk and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
-        return "dot2" if m <= DOT2_MAX_M else "dot"
+        short_rows = dtype == "float32" and k < min(DOT_K_PER_ROW * m, DOT_MIN_K_CAP)
+        if m <= DOT2_MAX_M or not short_rows:
+            return "dot2" if m <= DOT2_MAX_M else "dot"
+        return "gemm"
     # (AMX tiles read a weight in 32-bit pairs: a static, even K; cpu_amx.applies)
     if nk and bf16_pairs and _amx_dot_fits(m, k):
         return "dot"
