@@ -110,14 +110,32 @@ def test_channels_last_in_channels_last_out(c, k, r, kwargs, act, dtype):
 
 
 @pytest.mark.parametrize(
-    "groups, c, k",
-    [(2, 32, 64), (8, 8, 8), (3, 6, 9), (4, 8, 16)],
-    ids=["blocked-2", "depthwise", "odd-3", "mult-2"],
-)
-def test_groups(groups, c, k):
+    "groups, c, k, stride",
+    [(2, 32, 64, 1), (8, 8, 8, 1), (3, 6, 9, 1), (4, 8, 16, 1), (4, 32, 32, 1), (6, 48, 48, 2),
+     (2, 48, 48, 1), (13, 104, 104, 2)],
+    ids=["blocked-2", "depthwise", "odd-3", "quarter-vectors", "half-vectors",
+         "half-vectors-stride2", "24-channel-groups", "regnet"],
+)  # fmt: skip
+def test_groups(groups, c, k, stride):
+    # Groups of whole vectors, half vectors (RegNet's 8 channels) or quarter vectors run the
+    # blocked kernel on vectors that wide (group_lanes); others the direct kernel.
     x, w, b = randn(2, c, 9, 10), randn(k, c // groups, 3, 3), randn(k)
-    y = tg.conv2d_bias_relu(x, w, b, 1, 1, groups=groups)
-    assert_close(y, reference(x, w, b, 1, 1, groups=groups), k=c // groups * 9)
+    y = tg.conv2d_bias_relu(x, w, b, stride, 1, groups=groups)
+    assert_close(y, reference(x, w, b, stride, 1, groups=groups), k=c // groups * 9)
+
+
+def test_group_lanes_rule():
+    from torch_tvm_gemm.schedules.cpu_conv2d import group_lanes
+    from torch_tvm_gemm.target import CpuInfo
+
+    cpu = CpuInfo("x86_64", "", frozenset({"avx512f"}))  # 16 floats a vector
+    assert group_lanes(104, 104, 13, "float32", cpu) == 8  # RegNet: groups of 8 channels
+    assert group_lanes(48, 48, 2, "float32", cpu) == 8  # groups of 24
+    assert group_lanes(32, 64, 2, "float32", cpu) == 16
+    assert group_lanes(128, 128, 32, "float32", cpu) == 4  # ResNeXt 32x4d's first stage
+    assert group_lanes(32, 32, 16, "float32", cpu) is None  # 2 channels: the direct kernel
+    assert group_lanes(32, 32, 1, "float32", cpu) is None  # not grouped
+    assert group_lanes(32, 32, 32, "float32", cpu) is None  # depthwise
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -409,17 +409,16 @@ def test_timm_batchnormact_with_an_activation_not_fused_stays():
 def test_grouped_conv_on_the_untuned_kernel_is_left_to_torch():
     from torch_tvm_gemm.schedules.cpu_conv2d import untuned_groups
 
-    # RegNetX: groups of 8 channels (not whole vectors here), then groups of whole vectors
-    narrow = nn.Conv2d(32, 32, 3, padding=1, groups=4, bias=False)
-    wide = nn.Conv2d(32, 64, 3, padding=1, groups=2, bias=False)
-    model = nn.Sequential(narrow, bn(32), nn.ReLU(), wide, bn(64), nn.ReLU()).eval()
+    # groups of 2 channels (the direct kernel), then RegNet's groups of 8 (vectors of 8 lanes)
+    narrow = nn.Conv2d(32, 32, 3, padding=1, groups=16, bias=False)
+    regnet = nn.Conv2d(32, 32, 3, padding=1, groups=4, bias=False)
+    model = nn.Sequential(narrow, bn(32), nn.ReLU(), regnet, bn(32), nn.ReLU()).eval()
     reference = copy.deepcopy(model)
     tg.convert(model)
     layers = model.conversion_summary.layers
-    if untuned_groups(32, 32, 4, "float32"):
-        assert layers["0"].startswith("left alone: groups=4 of 8 output channels"), layers
-    else:  # (a CPU whose vectors hold 8 floats runs it on the blocked kernel)
-        assert "(folded)" in layers["0"], layers
+    assert untuned_groups(32, 32, 16, "float32")
+    assert layers["0"].startswith("left alone: groups=16 of 2 output channels"), layers
+    assert not untuned_groups(32, 32, 4, "float32")
     assert "(folded)" in layers["3"], layers
     x = randn(2, 32, 7, 9)
     assert_close(model(x), reference(x), k=300)

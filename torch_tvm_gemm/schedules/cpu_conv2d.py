@@ -34,7 +34,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx_conv, cpu_avx512_bf16, cpu_avx512_bf16_conv, cpu_depthwise_nhwc
 from .cpu_depthwise import is_depthwise, schedule_depthwise
 
-SCHEDULE_VERSION = 8  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 9  # bump when a schedule changes the binary: it is part of the cache key
 
 
 def nhwc_kernel(spec: Conv2dSpec, cpu: CpuInfo | None = None):
@@ -144,18 +144,38 @@ def one_pixel_as_linear(spec: Conv2dSpec) -> bool:
 
 def untuned_groups(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo | None = None) -> bool:
     """Whether a conv of these channels and groups runs the untuned "direct" kernel here:
-    grouped, not depthwise, and K / groups not a whole number of channel vectors (a group
-    width of 8, RegNetX's, on AVX-512). The model fusion leaves such convs to torch: timm's
-    regnetx_002 (2 threads, Intel Xeon, one process) converted with them ran at 1.04x / 0.71x
-    eager at batch 1 / 8, without them 1.03x / 1.14x."""
-    if groups == 1 or groups == c:
-        return False
+    grouped, not depthwise, and K / groups no whole number of MIN_GROUP_LANES-lane vectors.
+    The model fusion leaves such convs to torch: timm's regnetx_002 (2 threads, Intel Xeon,
+    one process) converted with its groups of 8 channels on that kernel ran at 1.04x / 0.71x
+    eager at batch 1 / 8, without them 1.03x / 1.14x (they now run the blocked kernel on
+    half vectors, ``group_lanes``)."""
     cpu = cpu or host_cpu()
-    return (k // groups) % (cpu.vector_bytes // (8 if dtype == "float64" else 4)) != 0
+    return groups not in (1, c) and group_lanes(c, k, groups, dtype, cpu) is None
+
+
+MIN_GROUP_LANES = 4  # see group_lanes
 
 
 def _vec(spec: Conv2dSpec, cpu: CpuInfo) -> int:
-    return cpu.vector_bytes // (8 if spec.acc_dtype == "float64" else 4)
+    return group_lanes(spec.c, spec.k, spec.groups, spec.acc_dtype, cpu) or _lanes(
+        spec.acc_dtype, cpu
+    )
+
+
+def _lanes(dtype: str, cpu: CpuInfo) -> int:
+    return cpu.vector_bytes // (8 if dtype == "float64" else 4)
+
+
+def group_lanes(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo) -> int | None:
+    """The vector width of a grouped (not depthwise) conv's blocked kernel: the widest of a
+    whole vector, half of one or a quarter that divides K / groups (at least MIN_GROUP_LANES
+    lanes); None where none does (the "direct" kernel) or the conv is not grouped."""
+    if groups == 1 or groups == c:
+        return None
+    lanes, kg = _lanes(dtype, cpu), k // groups
+    while lanes >= MIN_GROUP_LANES and kg % lanes:
+        lanes //= 2
+    return lanes if lanes >= MIN_GROUP_LANES else None
 
 
 def _ceil_to(x: int, m: int) -> int:
