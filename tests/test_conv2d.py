@@ -302,3 +302,24 @@ def test_blocked_task_edges(case, split):
     # a weight with a non-contiguous layout is read as the same values
     wt_t = wt.transpose(2, 3).contiguous().transpose(2, 3)
     assert torch.equal(op(x, wt_t, b, [1, 1], [1, 1]), op(x, wt, b, [1, 1], [1, 1]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_weight_packed_once_a_call_when_a_block_has_several_tasks(n):
+    # The blocked kernel packs its weight in each task, or once a call where a block of
+    # output channels has tasks for several chunks of images (cpu_conv2d.weight_pack): one
+    # kernel per choice, both exact. 40 -> 24 channels: two blocks, one image a task.
+    from torch_tvm_gemm.kernels.conv2d import Conv2dSpec
+    from torch_tvm_gemm.ops.conv_ops import conv2d_spec
+    from torch_tvm_gemm.schedules.cpu_conv2d import blocked_tasks, weight_pack
+    from torch_tvm_gemm.target import host_cpu
+
+    x, w, b = randn(n, 40, 7, 9), randn(24, 40, 3, 3), randn(24)
+    spec = conv2d_spec(x, w, b, (1, 1), (1, 1), (1, 1), 1, True)
+    images = blocked_tasks(spec, host_cpu())[0]
+    assert spec.weight_pack == ("call" if n > images else "task") == weight_pack(spec, n)
+    assert (spec.weight_pack == "call") == (n > 1)  # (here: one image a task)
+    assert spec.key().get("weight_pack") == ("call" if n > 1 else None)  # older keys kept
+    depthwise = Conv2dSpec("float32", 8, 8, 3, 3, 9, 9, padding=(1, 1), groups=8)
+    assert weight_pack(depthwise, n) == "task"  # (no blocked kernel, one spec)
+    assert_close(tg.conv2d_bias_relu(x, w, b, 1, 1), reference(x, w, b, 1, 1), k=40 * 9)

@@ -121,6 +121,10 @@ class Conv2dSpec:
     # "nchw" (torch's layouts, above), or "nhwc": the depthwise kernel over channels-last
     # pixels (``kernels/conv2d_depthwise_nhwc.py`` says its layouts)
     layout: str = "nchw"
+    # The CPU blocked kernel's weight pack: "task" (each parallel task packs its block of
+    # output channels) or "call" (the whole weight once a call, before the tasks: where a
+    # block's tasks are several, ``schedules/cpu_conv2d.weight_pack`` says when)
+    weight_pack: str = "task"
 
     family = "conv2d"
 
@@ -132,6 +136,8 @@ class Conv2dSpec:
         if self.dtype not in DTYPES or self.c % self.groups or self.k % self.groups:
             raise ValueError(f"bad Conv2dSpec {self}")
         if not is_activation(self.activation) or self.layout not in ("nchw", "nhwc"):
+            raise ValueError(f"bad Conv2dSpec {self}")
+        if self.weight_pack not in ("task", "call"):
             raise ValueError(f"bad Conv2dSpec {self}")
         if self.out_h < 1 or self.out_w < 1:
             raise ValueError(f"bad Conv2dSpec {self} (empty output)")
@@ -150,8 +156,11 @@ class Conv2dSpec:
 
     def key(self) -> dict:
         key = {"family": self.family, **asdict(self)}
-        if self.layout == "nchw":  # (the keys of the kernels that were there before it)
+        # (Fields at the defaults they were added with: the keys of the kernels before them.)
+        if self.layout == "nchw":
             del key["layout"]
+        if self.weight_pack == "task":
+            del key["weight_pack"]
         return key
 
     def name(self) -> str:
@@ -164,9 +173,10 @@ class Conv2dSpec:
         )
         g = f"_g{self.groups}" if self.groups != 1 else ""
         layout = "" if self.layout == "nchw" else f"_{self.layout}"
+        pack = "" if self.weight_pack == "task" else "_pack_per_call"
         return (
             f"conv2d_{self.dtype}_c{self.c}_k{self.k}_{self.r}x{self.s}_in{self.h}x{self.w}"
-            f"_{geo}{g}{epi}{layout}"
+            f"_{geo}{g}{epi}{layout}{pack}"
         )
 
 

@@ -24,6 +24,7 @@ from ..schedules.cpu_conv2d import (
     one_pixel_as_linear,
     patches_as_gemm,
     pointwise_as_gemm,
+    weight_pack,
 )
 from ..target import host_cpu
 from .checks import (
@@ -56,9 +57,9 @@ def conv2d_spec(
 ) -> Conv2dSpec:
     """The kernel a validated call asks for, on ``device`` (default: x's; ``cuda_cases``
     asks for the CUDA kernel of meta tensors); ``activation``, when given, replaces relu."""
-    _, c, h, w = x.shape
+    n, c, h, w = x.shape
     k, _, r, s = weight.shape
-    return _conv_spec(
+    spec = _conv_spec(
         dtype=DTYPE_NAMES[x.dtype],
         c=c,
         k=k,
@@ -75,6 +76,9 @@ def conv2d_spec(
         device=device or device_name(x),
         activation=conv_activation(relu, activation),
     )
+    if spec.device == "cpu" and weight_pack(spec, n) != spec.weight_pack:
+        return dataclasses.replace(spec, weight_pack=weight_pack(spec, n))
+    return spec
 
 
 def _conv2d_impl(
