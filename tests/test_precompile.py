@@ -42,19 +42,19 @@ def _planned(fn, **options):
 
 
 def test_planning_records_each_kernel_once_and_builds_nothing():
-    x, w, b = randn(4, 64), randn(80, 64), randn(80)
+    x, w, b = randn(4, 192), randn(80, 192), randn(80)
     a, bm = randn(40, 24), randn(24, 9)
     loaded = dict(table._table)
     builds = build_worker.build_count()
 
     def run():
-        return lin(x, w, b, "relu"), mm(a, bm), lin(x, w, b, "relu"), lin(randn(40, 64), w)
+        return lin(x, w, b, "relu"), mm(a, bm), lin(x, w, b, "relu"), lin(randn(40, 192), w)
 
     specs, (y, c, _, _) = _planned(run)
     assert specs == [
-        ops.gemm_spec("float32", 4, 80, 64, "nk", bias=True, activation="relu"),
+        ops.gemm_spec("float32", 4, 80, 192, "nk", bias=True, activation="relu"),
         ops.gemm_spec("float32", 40, 9, 24, "kn", static_k=False),
-        ops.gemm_spec("float32", 40, 80, 64, "nk"),
+        ops.gemm_spec("float32", 40, 80, 192, "nk"),
     ]
     assert specs[0].variant != specs[2].variant  # the M of each call decides
     torch.testing.assert_close(y, torch.relu(x @ w.T + b))  # torch computed them
