@@ -36,6 +36,9 @@ GEOMETRIES = {
     "3x3 on 1x1": (2, 16, 1, 1, 3, 1, 1, 1, True, "relu"),
     "5x5, one output row a task": (1, 384, 56, 56, 5, 1, 2, 1, True, "relu"),
     "5x5, conditions": (1, 1024, 56, 56, 5, 2, 2, 1, True, "relu"),
+    # channels a multiple of half a vector (MobileNetV3's 72, 120, 184, 200 on AVX-512)
+    "half vectors": (2, 72, 9, 9, 3, 1, 1, 1, True, "hardswish"),
+    "half vectors, 5x5 stride 2": (2, 40, 11, 11, 5, 2, 2, 1, True, "silu"),
 }
 
 
@@ -44,7 +47,9 @@ def test_channels_last_depthwise_matches_torch(name):
     _check(_depthwise(*GEOMETRIES[name]))
 
 
-@pytest.mark.parametrize("name", ["3x3", "5x5 stride 2", "no padding", "a row of 7"])
+@pytest.mark.parametrize(
+    "name", ["3x3", "5x5 stride 2", "no padding", "a row of 7", "half vectors"]
+)
 def test_channels_last_depthwise_in_bfloat16(name):
     """bf16 reads a float32 copy of each task's rows, whatever the taps."""
     _check(
@@ -64,10 +69,11 @@ def _check(args):
 
 def test_the_channels_last_kernel_is_the_one_asked_for():
     """Planning records the kernel a call needs: the "nhwc" one for a channels_last x, the
-    NCHW one otherwise; channels that are not whole vectors stay on the NCHW kernel."""
+    NCHW one otherwise; channels that are not whole vectors or half vectors stay on the NCHW
+    kernel."""
     cl_args = _depthwise(*GEOMETRIES["3x3"])
     nchw_args = (cl_args[0].contiguous(),) + cl_args[1:]
-    odd = _depthwise(1, 24, 8, 8, 3, 1, 1, 1, True, "relu")  # 24: not whole vectors
+    odd = _depthwise(1, 6, 8, 8, 3, 1, 1, 1, True, "relu")  # 6: no vector of channels
     for args, layout in ((cl_args, "nhwc"), (nchw_args, "nchw"), (odd, "nchw")):
         with ops.planning() as plan:
             conv(*args)
@@ -118,3 +124,17 @@ def test_padded_rows_for_taps_beyond_a_3x3_within_the_local_buffer():
     assert nhwc._row_block(spec(240, 28, 5, 0)) is None
     bf16 = dataclasses.replace(spec(240, 28, 3, 0), dtype="bfloat16")
     assert nhwc._row_block(bf16) == 4
+
+
+def test_channel_lanes_rule():
+    from torch_tvm_gemm.schedules.cpu_depthwise_nhwc import channel_lanes
+    from torch_tvm_gemm.target import CpuInfo
+
+    avx512 = CpuInfo("x86_64", "", frozenset({"avx512f"}))  # 16 floats a vector
+
+    def lanes(c):
+        return channel_lanes(
+            Conv2dSpec(dtype="float32", c=c, k=c, r=3, s=3, h=8, w=8, groups=c), avx512
+        )
+
+    assert [lanes(c) for c in (64, 72, 120, 200, 24, 12, 6)] == [16, 8, 8, 8, 8, None, None]
