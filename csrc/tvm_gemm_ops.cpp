@@ -109,7 +109,11 @@ struct Config {
   struct {
     int64_t max_m = 0, min_n = 0, n_multiple = 1;
   } ksplit;
+  // The GEMM kernels' epilogues: first the linear op's (linear_activations of them), then the
+  // conv op's others (kernels/conv2d.py ACTIVATIONS), which only the conv's one-pixel route
+  // ("linear") asks for.
   std::vector<std::string> activations;
+  int64_t linear_activations = 0;
   std::vector<const DtypeInfo*> dtypes;
   int none_activation = 0;  // index of "none" in activations
   // KERNEL_ALIGNMENT["cpu"] - 1 (a power of two): a pointer p is aligned when (p & mask) == 0.
@@ -159,7 +163,8 @@ bool matmul_ok(const at::Tensor& a, const at::Tensor& b) {
 
 bool linear_ok(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                int act) {
-  if (act < 0 || !tensor_ok(x, 1, 8) || !tensor_ok(w, 2, 2) || !same_ok(x, w)) return false;
+  if (act < 0 || act >= g_config.linear_activations) return false;
+  if (!tensor_ok(x, 1, 8) || !tensor_ok(w, 2, 2) || !same_ok(x, w)) return false;
   if (x.size(-1) != w.size(1)) return false;
   if (bias.has_value()) {
     const at::Tensor& bt = *bias;
@@ -379,6 +384,11 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   if (name == "gelu") return at::gelu(t);
   if (name == "gelu_tanh") return at::gelu(t, "tanh");
   if (name == "silu") return at::silu(t);
+  if (name == "relu6") return at::hardtanh(t, 0, 6);
+  if (name == "hardswish") return at::hardswish(t);
+  if (name == "leaky_relu") return at::leaky_relu(t, 0.01);
+  if (name == "sigmoid") return at::sigmoid(t);
+  if (name == "hardsigmoid") return at::hardsigmoid(t);
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");
 }
 
@@ -907,7 +917,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
                     const std::vector<int64_t>& one_panel_swaps,
                     const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m,
-                    const std::vector<int64_t>& dot_short_rows) {
+                    const std::vector<int64_t>& dot_short_rows,
+                    const std::vector<std::string>& conv_epilogues) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -940,6 +951,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
               "tvm_gemm: swap2 must be (min_m, max_m, min_n, max_k)");
   if (!swap2.empty()) config.swap2 = {swap2[0], swap2[1], swap2[2], swap2[3]};
   config.activations = activations;
+  config.linear_activations = static_cast<int64_t>(activations.size());
+  config.activations.insert(config.activations.end(), conv_epilogues.begin(),
+                            conv_epilogues.end());
   TORCH_CHECK(std::find(activations.begin(), activations.end(), "none") != activations.end(),
               "tvm_gemm: the activations must include 'none'");
   for (const std::string& name : dtypes) {
@@ -1013,6 +1027,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
         py::arg("swap2") = std::vector<int64_t>{}, py::arg("bf16_dot_max_m") = -1,
         py::arg("dot_short_rows") = std::vector<int64_t>{},
+        py::arg("conv_epilogues") = std::vector<std::string>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -1,5 +1,5 @@
 """The conv op's epilogues (``activation=``: relu6, hardswish, silu, leaky_relu and
-leaky_relu_<slope>, relu, none) against torch: values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
+leaky_relu_<slope>, sigmoid, hardsigmoid, relu, none) against torch: values with NaN and inf, every kernel variant, autograd, opcheck, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch_tvm_gemm.kernels.conv2d import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.measure import tolerance
 
 op = torch.ops.tvm_gemm.conv2d_bias_relu
-NEW = ["relu6", "hardswish", "silu", "leaky_relu", "leaky_relu_0.1"]
+NEW = ["relu6", "hardswish", "silu", "leaky_relu", "leaky_relu_0.1", "sigmoid", "hardsigmoid"]
 
 
 def reference(x, w, b, activation, padding=0, groups=1):
@@ -208,21 +208,17 @@ def test_compile_cli_parses_activations():
     assert parse_conv_op("conv2d:float16:8:16:3x3:9x9").activation == "relu"
 
 
-@pytest.mark.parametrize("activation", ["relu6", "hardswish", "leaky_relu_0.1"])
+@pytest.mark.parametrize("activation", ["relu6", "hardswish", "leaky_relu_0.1", "sigmoid"])
 @pytest.mark.parametrize("variant", ["pointwise", "pointwise-channels_last", "one-pixel"])
 def test_a_gemm_route_runs_the_epilogue_in_the_gemm_kernel(activation, variant):
     """Not as a second pass over the output: the GEMM kernel asked for carries it."""
-    from torch_tvm_gemm.ops import plan
+    from torch_tvm_gemm import ops
 
     c, k, h, w, _, _ = VARIANTS[variant]
     x, wt, b = randn(2, c, h, w), randn(k, c, 1, 1), randn(k)
     if variant.endswith("channels_last"):
         x = x.contiguous(memory_format=torch.channels_last)
-    planned = plan.Plan()
-    previous = plan.activate(planned)
-    try:
+    with ops.planning() as planned:
         op(x, wt, b, [1, 1], [0, 0], [1, 1], 1, True, activation)
-    finally:
-        plan.activate(previous)
     gemms = [s for s in planned.specs if s.family == "gemm"]
     assert [s.activation for s in gemms] == [activation], planned.specs

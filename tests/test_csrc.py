@@ -156,6 +156,8 @@ BAD_CALLS = {
     "batch dims": lambda: mm(randn(2, 2, 3), randn(3, 3, 2)),
     "activation": lambda: lin(randn(2, 3), randn(4, 3), None, "tanh"),
     "activation quote": lambda: lin(randn(2, 3), randn(4, 3), None, "it's\n"),
+    # (the C++ GEMM table knows the conv's epilogues too; the linear op takes only its own)
+    "conv epilogue": lambda: lin(randn(2, 3), randn(4, 3), None, "sigmoid"),
     "0-D x": lambda: lin(torch.tensor(1.0), randn(4, 3)),
     "9-D x": lambda: lin(randn(*[1] * 8, 3), randn(4, 3)),
     "1-D weight": lambda: lin(randn(2, 3), randn(3)),

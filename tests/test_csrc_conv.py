@@ -35,8 +35,10 @@ CASES = {
     "one pixel: linear, no activation": lambda: _case(
         randn(1, 24, 1, 1), randn(12, 24, 1, 1), act="none"
     ),
-    "one pixel, relu6 (Python)": lambda: _case(
-        randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="relu6"
+    "one pixel, relu6": lambda: _case(randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="relu6"),
+    "one pixel, sigmoid": lambda: _case(randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="sigmoid"),
+    "one pixel, another leaky slope (Python)": lambda: _case(
+        randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="leaky_relu_0.1"
     ),
     "one pixel of a strided 2x2": lambda: _case(randn(3, 8, 2, 2), randn(12, 8, 1, 1), stride=2),
     "channels_last x (Python)": lambda: _case(
@@ -132,7 +134,13 @@ def test_gradients_through_the_cpp_path():
 
 @pytest.mark.parametrize(
     "name,in_cpp",
-    [("conv kernel", True), ("one pixel: linear", True), ("channels_last x (Python)", False)],
+    [
+        ("conv kernel", True),
+        ("one pixel: linear", True),
+        ("one pixel, sigmoid", True),
+        ("one pixel, another leaky slope (Python)", False),
+        ("channels_last x (Python)", False),
+    ],
 )
 def test_which_routes_stay_in_cpp(monkeypatch, name, in_cpp):
     """Once planned, the conv kernel and one-pixel routes never enter the Python impl; the

@@ -1,5 +1,6 @@
-"""FX fusion of conv -> (BN) -> ReLU6 / hardswish / SiLU into the conv op, and convert() on a
-MobileNetV2-style block."""
+"""FX fusion of conv -> (BN) -> ReLU6 / hardswish / SiLU / leaky ReLU / sigmoid /
+hardsigmoid into the conv op, and convert() on a MobileNetV2-style block and a
+squeeze-and-excitation gate."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ ACTS = {
     "LeakyReLU(0.1)": (nn.LeakyReLU(0.1), "leaky_relu_0.1"),
     "F.leaky_relu(0.2)": (lambda t: F.leaky_relu(t, 0.2), "leaky_relu_0.2"),
     "F.leaky_relu_(x, 0)": (lambda t: F.leaky_relu_(t, 0), "leaky_relu_0.0"),
+    # squeeze-and-excitation gates (timm's nn.Sigmoid, torchvision's scale_activation)
+    "Sigmoid": (nn.Sigmoid(), "sigmoid"),
+    "torch.sigmoid": (torch.sigmoid, "sigmoid"),
+    ".sigmoid()": (lambda t: t.sigmoid(), "sigmoid"),
+    "Hardsigmoid": (nn.Hardsigmoid(), "hardsigmoid"),
+    "F.hardsigmoid": (F.hardsigmoid, "hardsigmoid"),
 }
 
 
@@ -176,6 +183,39 @@ def test_mobilenet_v2_block_fused_end_to_end():
     ]
     assert [a for gm in traced for a in _epilogues(gm)] == ["relu6", "relu6", "none"] * 2
     assert_close(converted(x), expected, k=600)
+
+
+class SqueezeExcite(nn.Module):
+    """timm's / torchvision's squeeze-and-excitation: pooled, reduced, expanded, a gate."""
+
+    def __init__(self, c, gate):
+        super().__init__()
+        self.reduce, self.expand = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+        self.act, self.gate = nn.ReLU(inplace=True), gate
+
+    def forward(self, x):
+        s = self.act(self.reduce(x.mean((2, 3), keepdim=True)))
+        return x * self.gate(self.expand(s))
+
+
+@pytest.mark.parametrize(
+    "gate, epilogue", [(nn.Sigmoid(), "sigmoid"), (nn.Hardsigmoid(), "hardsigmoid")]
+)
+def test_squeeze_excitation_gate_fused(gate, epilogue):
+    # The expand conv's one user is the gate: fused, on one pixel an image (the GEMM kernel
+    # with the gate as its epilogue); the product with x stays torch's.
+    model = SqueezeExcite(32, gate).eval()
+    x = randn(3, 32, 6, 5)
+    expected = model(x)
+    converted = tg.convert(model, inplace=False)
+    layers = converted.conversion_summary.layers
+    assert layers["expand"].startswith("fused") and layers["reduce"].startswith("fused"), layers
+    traced = [
+        m.__dict__["_tvm_traced"].gm for m in converted.modules() if "_tvm_traced" in m.__dict__
+    ]
+    assert sorted(a for gm in traced for a in _epilogues(gm)) == sorted(["relu", epilogue])
+    assert_close(converted(x), expected, k=32)
+    assert_close(converted(x[:1]), expected[:1], k=32)
 
 
 def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():

@@ -67,8 +67,9 @@ def conv2d_bias_relu(
     ``x`` is ``(N, C, H, W)``, ``weight`` ``(K, C/groups, R, S)``, ``bias`` ``(K,)`` or None;
     ``relu=False`` gives the plain conv. ``activation``, when given, replaces ``relu``: one of
     ``"none"``, ``"relu"``, ``"relu6"`` (MobileNetV2), ``"hardswish"`` (MobileNetV3),
-    ``"silu"`` (EfficientNet), ``"leaky_relu"`` (slope 0.01, CSPNet) or ``"leaky_relu_0.1"``
-    (another slope >= 0, as Python prints the float: YOLO). Any groups (depthwise included). The bias is added once to the final sum, then the activation. Dtypes float32,
+    ``"silu"`` (EfficientNet), ``"leaky_relu"`` (slope 0.01, CSPNet), ``"leaky_relu_0.1"``
+    (another slope >= 0, as Python prints the float: YOLO), ``"sigmoid"`` or
+    ``"hardsigmoid"`` (squeeze-and-excitation gates). Any groups (depthwise included). The bias is added once to the final sum, then the activation. Dtypes float32,
     float64, bfloat16, float16 (the narrow ones accumulate in float32). Differentiable; works
     under ``torch.compile``.
     """

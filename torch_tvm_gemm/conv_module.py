@@ -24,7 +24,8 @@ class TVMConv2dBiasReLU(nn.Conv2d):
     """``nn.Conv2d`` (optionally followed by ``nn.ReLU``) computed by one TVM kernel.
 
     Build it with ``from_conv(conv, relu=True)`` (or ``activation="relu6"``, ``"hardswish"``,
-    ``"silu"``, ``"leaky_relu"``, ``"leaky_relu_0.1"`` (another slope), ``"none"``, which
+    ``"silu"``, ``"leaky_relu"``, ``"leaky_relu_0.1"`` (another slope), ``"sigmoid"``,
+    ``"hardsigmoid"``, ``"none"``, which
     replaces ``relu``): it shares ``conv``'s
     parameters, and its ``state_dict`` has the Conv2d's keys (``weight``, ``bias``), so
     checkpoints load both ways.

@@ -1,5 +1,5 @@
 """``TVMConv2dBN``: a Conv2d followed by an eval-mode (or frozen) BatchNorm2d (and optionally an
-activation: ReLU, ReLU6, hardswish, SiLU, leaky ReLU) as
+activation: ReLU, ReLU6, hardswish, SiLU, leaky ReLU, sigmoid, hardsigmoid) as
 one TVM conv, with the BN folded into the conv's weight and bias.
 
 The conv and BN stay the model's (they are not submodules here, so nothing is duplicated in
@@ -45,7 +45,7 @@ class TVMConv2dBN(nn.Module):
     """``act(bn(conv(x)))`` for an eval-mode ``bn``, one ``tvm_gemm.conv2d_bias_relu`` call.
 
     ``activation``: "relu", "relu6", "hardswish", "silu", "leaky_relu" (or "leaky_relu_0.1":
-    another slope) or "none" (True / False: relu / none).
+    another slope), "sigmoid", "hardsigmoid" or "none" (True / False: relu / none).
     """
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, activation: str | bool) -> None:

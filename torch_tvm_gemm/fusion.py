@@ -2,7 +2,8 @@
 
 ``TVMConv2dBiasReLU`` (in ``conv_module``) is an ``nn.Conv2d`` subclass (same parameters, same ``state_dict``
 keys) computed by ``tvm_gemm.conv2d_bias_relu``, optionally with the activation that followed
-it: ReLU, ReLU6, hardswish, SiLU or leaky ReLU (see ``fusion_activations``), "ReLU" below.
+it: ReLU, ReLU6, hardswish, SiLU, leaky ReLU, sigmoid or hardsigmoid (see
+``fusion_activations``), "ReLU" below.
 
 ``fuse_conv_bias_relu(model)`` traces the model with ``torch.fx.symbolic_trace`` and rewrites
 three patterns into the fused op, leaving everything else alone:
@@ -134,7 +135,7 @@ class _Graph:
         return mod
 
     def activation(self, node: fx.Node | None) -> str | None:
-        """The conv epilogue ``node`` is (relu, relu6, hardswish, silu, leaky_relu), or None."""
+        """The conv epilogue ``node`` is (``fusion_activations``), or None."""
         return None if node is None else conv_activation_of(node, self.modules)
 
     def attr(self, target: str) -> Tensor:
@@ -454,7 +455,8 @@ def _check_own_tail(
 
 def _activation_note(g: _Graph, node: fx.Node) -> str:
     """Says that an activation after a folded conv stays a separate op (the conv op fuses
-    relu, relu6, hardswish, silu and leaky_relu with a slope >= 0 only)."""
+    relu, relu6, hardswish, silu, sigmoid, hardsigmoid and leaky_relu with a slope >= 0
+    only)."""
     if node.op == "call_module":
         name = type(g.modules.get(node.target)).__name__
     elif node.op in ("call_function", "call_method"):
@@ -463,7 +465,7 @@ def _activation_note(g: _Graph, node: fx.Node) -> str:
         return ""
     if name.lower() in ("add", "add_", "iadd", "cat", "mul", "getitem"):
         return ""
-    fused = "ReLU, ReLU6, hardswish, SiLU, LeakyReLU with a slope >= 0"
+    fused = "ReLU, ReLU6, hardswish, SiLU, sigmoid, hardsigmoid, LeakyReLU with a slope >= 0"
     return f"; {name} after it is not fused (the conv op fuses {fused})"
 
 

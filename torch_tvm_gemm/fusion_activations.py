@@ -3,7 +3,9 @@
 ReLU (``nn.ReLU``, ``F.relu``, ``torch.relu``, ``.relu()``), ReLU6 (``nn.ReLU6``,
 ``F.relu6``, ``nn.Hardtanh(0, 6)``, ``F.hardtanh(x, 0, 6)``: MobileNetV2), hardswish
 (``nn.Hardswish``, ``F.hardswish``: MobileNetV3), SiLU (``nn.SiLU``, ``F.silu``:
-EfficientNet; transformers' ``SiLUActivation``: MobileViT) and leaky ReLU with a slope >= 0
+EfficientNet; transformers' ``SiLUActivation``: MobileViT), the sigmoid and hardsigmoid gates
+of squeeze-and-excitation blocks (``nn.Sigmoid``, ``torch.sigmoid``, ``.sigmoid()``,
+``nn.Hardsigmoid``, ``F.hardsigmoid``) and leaky ReLU with a slope >= 0
 (``nn.LeakyReLU``, ``F.leaky_relu``: CSPNet, DarkNet with torch's default 0.01, YOLO with
 0.1; a negative slope is not fused), in place or not: the fused op writes a new tensor, and
 the in-place variant's input had no other user (the fusion checks).
@@ -19,7 +21,12 @@ from .kernels.conv2d import ACTIVATIONS, leaky_relu_name, leaky_relu_slope
 from .nn import activation_name
 
 # (ReLU, SiLU and transformers' activation modules: ``nn.activation_name``, as for linears)
-_MODULES = {nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
+_MODULES = {
+    nn.ReLU6: "relu6",
+    nn.Hardswish: "hardswish",
+    nn.Sigmoid: "sigmoid",
+    nn.Hardsigmoid: "hardsigmoid",
+}
 _FUNCTIONS = {
     F.relu: "relu",
     torch.relu: "relu",
@@ -28,8 +35,12 @@ _FUNCTIONS = {
     F.relu6: "relu6",
     F.hardswish: "hardswish",
     F.silu: "silu",
+    torch.sigmoid: "sigmoid",
+    torch.sigmoid_: "sigmoid",
+    F.sigmoid: "sigmoid",
+    F.hardsigmoid: "hardsigmoid",
 }
-_METHODS = {"relu": "relu", "relu_": "relu"}
+_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid"}
 _HARDTANH = {F.hardtanh, F.hardtanh_}
 _LEAKY_RELU = {F.leaky_relu, F.leaky_relu_}
 

@@ -8,7 +8,8 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
    fails inside a helper function it calls is first traced again with that helper kept as
    one opaque call: ``_helper_that_failed``; a forward with a side effect on a module,
    which the graph would skip, does not count as traceable: ``trace_guard``). Inside a region,
-   conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU, leaky ReLU) become one
+   conv -> (BN) -> activation chains (ReLU, ReLU6, hardswish, SiLU, leaky ReLU, sigmoid,
+   hardsigmoid) become one
    ``tvm_gemm.conv2d_bias_relu`` call and a linear
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
    ``tvm_gemm.linear`` call with that activation. A residual add (or a gating product, as

@@ -14,7 +14,7 @@ fewer than 4096 elements has no gemv kernel, so it gets one kernel. A conv2d + b
 ``conv2d:DTYPE:C:K:RxS:HxW[:OPTION...]``, OPTIONs ``sN`` / ``sNxM`` (stride), ``pN`` / ``pNxM``
 (padding), ``dN`` / ``dNxM`` (dilation), ``nobias``, ``norelu``, or an activation in place
 of relu: ``relu6``, ``hardswish``, ``silu``, ``leaky_relu`` (slope 0.01), ``leaky_relu_0.1``
-(another slope); e.g.
+(another slope), ``sigmoid``, ``hardsigmoid``; e.g.
 ``conv2d:float16:64:64:3x3:56x56:p1``. A GPU process loads the pack with
 ``TVM_GEMM_PACK=pack/`` (runtime only).
 """
@@ -132,7 +132,8 @@ def parse_conv_op(text: str):
     except ValueError:
         raise SystemExit(
             f"compile: bad conv {text!r}; expected conv2d:DTYPE:C:K:RxS:HxW[:sN][:pN][:dN]"
-            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu|leaky_relu_SLOPE], "
+            "[:nobias][:norelu|relu6|hardswish|silu|leaky_relu|leaky_relu_SLOPE|sigmoid"
+            "|hardsigmoid], "
             "e.g. conv2d:float16:64:64:3x3:56x56:p1"
         ) from None
 

@@ -33,10 +33,11 @@ from . import epilogue
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 # The conv's epilogues: ReLU, and those of MobileNetV2 (relu6), MobileNetV3 (hardswish),
-# EfficientNet (silu) and CSPNet / DarkNet (leaky_relu: torch's default slope, 0.01). A leaky
+# EfficientNet (silu), CSPNet / DarkNet (leaky_relu: torch's default slope, 0.01) and the
+# gates of squeeze-and-excitation blocks (sigmoid; hardsigmoid in MobileNetV3). A leaky
 # ReLU of another slope >= 0 is named "leaky_relu_<slope>" (YOLO's 0.1: "leaky_relu_0.1"),
 # the slope written as Python writes the float, so that one slope has one name (and kernel).
-ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu", "leaky_relu")
+ACTIVATIONS = ("none", "relu", "relu6", "hardswish", "silu", "leaky_relu", "sigmoid", "hardsigmoid")
 _LEAKY_PREFIX = "leaky_relu_"
 
 
@@ -69,6 +70,7 @@ def is_activation(name: str) -> bool:
 
 def torch_activation(name: str):
     """The torch function of a conv epilogue (the reference of tests, autograd's formulas)."""
+    import torch
     import torch.nn.functional as F
 
     slope = leaky_relu_slope(name)
@@ -80,6 +82,8 @@ def torch_activation(name: str):
         "relu6": F.relu6,
         "hardswish": F.hardswish,
         "silu": F.silu,
+        "sigmoid": torch.sigmoid,
+        "hardsigmoid": F.hardsigmoid,
     }[name]
 
 
@@ -96,6 +100,10 @@ def activate(name: str, v, dtype: str, device: str):
         return epilogue.hardswish(v, dtype)
     if name == "silu":
         return epilogue.silu(v, dtype, device)
+    if name == "sigmoid":
+        return epilogue.sigmoid(v, dtype, device)
+    if name == "hardsigmoid":
+        return epilogue.hardsigmoid(v, dtype)
     return v
 
 

@@ -1,5 +1,5 @@
 """The element-wise epilogues of the kernels (relu, relu6, hardswish, leaky_relu, gelu,
-gelu_tanh, silu), with torch's NaN and inf semantics.
+gelu_tanh, silu, sigmoid, hardsigmoid), with torch's NaN and inf semantics.
 
 ``max(x, 0)`` is not ``torch.relu``: LLVM's and CUDA's float max return the number when one
 operand is NaN, so a NaN sum became 0 (hiding a diverging model). ``x < 0 ? 0 : x`` keeps
@@ -31,6 +31,13 @@ def relu6(x, dtype: str):
     zero, six = tirx.const(0, dtype), tirx.const(6, dtype)
     y = tirx.Select(x < zero, zero, x)
     return tirx.Select(y > six, six, y)
+
+
+def hardsigmoid(x, dtype: str):
+    """``F.hardsigmoid``: ``relu6(x + 3) / 6`` (NaN stays NaN, +-inf give 1 and 0)."""
+    from tvm import tirx
+
+    return relu6(x + tirx.const(3, dtype), dtype) / tirx.const(6, dtype)
 
 
 def hardswish(x, dtype: str):
@@ -143,3 +150,17 @@ def silu(x, dtype: str, device: str = "cpu"):
     if not _fast(dtype, device):
         return x * tirx.sigmoid(x)
     return x / (tirx.const(1.0, dtype) + _exp(-x, dtype, True))
+
+
+def sigmoid(x, dtype: str, device: str = "cpu"):
+    """``torch.sigmoid``: 1 / (1 + exp(-x)) (a squeeze-and-excitation gate): +-inf give 1 and
+    0, NaN stays NaN."""
+    from tvm import tirx
+
+    if not _fast(dtype, device):
+        return tirx.sigmoid(x)
+    one = tirx.const(1.0, dtype)
+    # (NaN kept by a test of its own: the exp's clamp maps NaN to a number, and its own
+    # ``x != x`` test did not survive compilation, sigmoid(NaN) came out 1; the other
+    # epilogues multiply by x, which carries the NaN.)
+    return tirx.Select(tirx.isnan(x), x, one / (one + _exp(-x, dtype, True)))

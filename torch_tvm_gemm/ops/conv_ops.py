@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..func_autograd import register_function_autograd
+from ..kernels.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from ..kernels.conv2d import Conv2dSpec, leaky_relu_slope, torch_activation
 from ..kernels.gemm import ACTIVATIONS as GEMM_ACTIVATIONS
 from ..runtime import output_pool
@@ -443,10 +444,15 @@ _CPP_KERNEL_SPECS: list[Conv2dSpec] = []
 _CPP_KERNEL_IDS: dict[Conv2dSpec, int] = {}
 
 
+# The epilogues the C++ impl's GEMM table knows (ops/impls.py registers them): the linear
+# op's, then the conv's others (a leaky ReLU of another slope: the Python route).
+CPP_LINEAR_EPILOGUES = frozenset(GEMM_ACTIVATIONS) | frozenset(CONV_ACTIVATIONS)
+
+
 def cpp_route(x, weight, bias, stride, padding, dilation, groups, relu, activation):
     """The C++ impl's plan for a call's geometry: ``(route, output shape, kernel id, linear
     activation)``, route "conv" (the conv kernel of id ``kernel id``, on an NCHW x), "linear"
-    (a 1x1 conv with one output pixel whose activation the GEMM kernel has) or "python" (the
+    (a 1x1 conv with one output pixel whose epilogue the C++ GEMM table knows) or "python" (the
     rest, and empty outputs: it calls ``_conv2d_impl``). Raises the checks' error for a bad
     call, and builds (or loads) the kernel, as the first Python call would."""
     shape, spec, route = _checked_geometry(
@@ -454,7 +460,7 @@ def cpp_route(x, weight, bias, stride, padding, dilation, groups, relu, activati
     )
     if math.prod(shape) == 0 or channels_last_output(x):
         return "python", list(shape), -1, "none"
-    if route == "linear" and spec.activation in GEMM_ACTIVATIONS:
+    if route == "linear" and spec.activation in CPP_LINEAR_EPILOGUES:
         return "linear", list(shape), -1, spec.activation
     if route != "conv":
         return "python", list(shape), -1, "none"
@@ -559,6 +565,7 @@ _CONV_DEFAULTS = [None, [1, 1], [0, 0], [1, 1], 1, True, None]  # bias ... activ
 _OUTPUT_GRADS = {
     "relu": lambda grad, out: grad * (out > 0),
     "relu6": lambda grad, out: grad * ((out > 0) & (out < 6)),
+    "sigmoid": lambda grad, out: torch.ops.aten.sigmoid_backward(grad, out),
 }
 
 
@@ -572,6 +579,7 @@ def _output_grad(act: str):
 
 _PRE_ACTIVATION_GRADS = {
     "hardswish": lambda grad, z: torch.ops.aten.hardswish_backward(grad, z),
+    "hardsigmoid": lambda grad, z: torch.ops.aten.hardsigmoid_backward(grad, z),
     "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
 }
 
@@ -597,9 +605,10 @@ def _conv2d_setup(ctx, inputs, output) -> None:
     ctx.x_shape, ctx.w_shape = x.shape, weight.shape
     need_x, need_w = ctx.needs_input_grad[:2]
     # Only what the backward needs (an inference tensor cannot be saved; torch accepts one
-    # where no gradient needs it): dX needs the weight, dW the input, relu's, relu6's and
-    # leaky_relu's derivatives the output; hardswish and silu the pre-activation, recomputed
-    # in the backward from x, weight and bias rather than kept alive.
+    # where no gradient needs it): dX needs the weight, dW the input, relu's, relu6's,
+    # leaky_relu's and sigmoid's derivatives the output; hardswish, hardsigmoid and silu the
+    # pre-activation, recomputed in the backward from x, weight and bias rather than kept
+    # alive.
     if act in _PRE_ACTIVATION_GRADS:
         ctx.save_for_backward(saveable(x), saveable(weight), saveable(bias), None)
     else:

@@ -19,6 +19,7 @@ import torch
 import tvm_ffi
 
 from .. import _ext
+from ..kernels.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from ..kernels.gemm import ACTIVATIONS
 from ..runtime import output_pool
 from ..runtime.table import get_kernel, on_clear_table
@@ -130,6 +131,7 @@ def use_impl(path: str) -> str:
             amx_dot=list(cpu_schedules.amx_dot_limits()),
             bf16_dot_max_m=cpu_schedules.bf16_dot_max_m(),
             dot_short_rows=[cpu_schedules.DOT_K_PER_ROW, cpu_schedules.DOT_MIN_K_CAP],
+            conv_epilogues=[a for a in CONV_ACTIVATIONS if a not in ACTIVATIONS],
             ksplit=[
                 cpu_schedules.KSPLIT_MAX_M,
                 cpu_schedules.KSPLIT_MIN_N,
