@@ -409,19 +409,26 @@ def test_timm_batchnormact_with_an_activation_not_fused_stays():
 def test_grouped_conv_on_the_untuned_kernel_is_left_to_torch():
     from torch_tvm_gemm.schedules.cpu_conv2d import untuned_groups
 
-    # groups of 2 channels (the direct kernel), then RegNet's groups of 8 (vectors of 8 lanes)
-    narrow = nn.Conv2d(32, 32, 3, padding=1, groups=16, bias=False)
+    # groups of 30 channels (the direct kernel, slower than torch's there), of 2 (the direct
+    # kernel, faster) and RegNet's of 8 (the blocked kernel on vectors of 8 lanes)
+    wide = nn.Conv2d(60, 60, 3, padding=1, groups=2, bias=False)
+    narrow = nn.Conv2d(60, 32, 1, bias=False)
+    pairs = nn.Conv2d(32, 32, 3, padding=1, groups=16, bias=False)
     regnet = nn.Conv2d(32, 32, 3, padding=1, groups=4, bias=False)
-    model = nn.Sequential(narrow, bn(32), nn.ReLU(), regnet, bn(32), nn.ReLU()).eval()
+    model = nn.Sequential(
+        wide, bn(60), nn.ReLU(), narrow, bn(32), nn.ReLU(),
+        pairs, bn(32), nn.ReLU(), regnet, bn(32), nn.ReLU(),
+    ).eval()  # fmt: skip
     reference = copy.deepcopy(model)
     tg.convert(model)
     layers = model.conversion_summary.layers
-    assert untuned_groups(32, 32, 16, "float32")
-    assert layers["0"].startswith("left alone: groups=16 of 2 output channels"), layers
-    assert not untuned_groups(32, 32, 4, "float32")
-    assert "(folded)" in layers["3"], layers
-    x = randn(2, 32, 7, 9)
-    assert_close(model(x), reference(x), k=300)
+    assert untuned_groups(60, 60, 2, "float32")
+    assert layers["0"].startswith("left alone: groups=2 of 30 output channels"), layers
+    for name, c, groups in (("6", 32, 16), ("9", 32, 4)):
+        assert not untuned_groups(c, c, groups, "float32")
+        assert "(folded)" in layers[name], layers
+    x = randn(2, 60, 7, 9)
+    assert_close(model(x), reference(x), k=600)
 
 
 def test_second_user_is_not_fused_and_says_why():

@@ -143,16 +143,22 @@ def one_pixel_as_linear(spec: Conv2dSpec) -> bool:
 
 
 def untuned_groups(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo | None = None) -> bool:
-    """Whether a conv of these channels and groups runs the untuned "direct" kernel here:
-    grouped, not depthwise, and K / groups no whole number of MIN_GROUP_LANES-lane vectors.
-    The model fusion leaves such convs to torch: timm's regnetx_002 (2 threads, Intel Xeon,
-    one process) converted with its groups of 8 channels on that kernel ran at 1.04x / 0.71x
-    eager at batch 1 / 8, without them 1.03x / 1.14x (they now run the blocked kernel on
-    half vectors, ``group_lanes``)."""
+    """Whether a grouped conv runs the untuned "direct" kernel here where torch's is faster,
+    which the model fusion leaves to torch: grouped, not depthwise, K / groups no whole number
+    of MIN_GROUP_LANES-lane vectors (``group_lanes``) and more than DIRECT_MAX_GROUP_WIDTH
+    channels. Narrower groups are where oneDNN has no good kernel either: 3x3, 2 threads, AMD
+    EPYC Zen 5, direct kernel + ReLU against ``F.relu(F.conv2d)``, batch 1 / 8: groups of 2
+    channels 3.95-6.26x / 3.99-6.05x, of 3 2.09-5.42x / 1.51-3.93x, of 6 1.79-2.98x /
+    1.26-2.08x, of 10 1.22x / 1.18x; of 14 0.89x / 0.84x, of 30 0.46x / 0.41x, of 50 0.20x /
+    0.14x. (Before the blocked kernel took half vectors, RegNet's groups of 8 ran the direct
+    kernel: timm's regnetx_002 converted with them 1.04x / 0.71x eager on an Intel Xeon.)"""
     cpu = cpu or host_cpu()
-    return groups not in (1, c) and group_lanes(c, k, groups, dtype, cpu) is None
+    if groups in (1, c) or group_lanes(c, k, groups, dtype, cpu) is not None:
+        return False
+    return k // groups > DIRECT_MAX_GROUP_WIDTH
 
 
+DIRECT_MAX_GROUP_WIDTH = 10  # see untuned_groups
 MIN_GROUP_LANES = 4  # see group_lanes
 
 
