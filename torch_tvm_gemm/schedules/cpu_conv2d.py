@@ -145,9 +145,10 @@ def one_pixel_as_linear(spec: Conv2dSpec) -> bool:
 def untuned_groups(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo | None = None) -> bool:
     """Whether a grouped conv runs the untuned "direct" kernel here where torch's is faster,
     which the model fusion leaves to torch: grouped, not depthwise, K / groups no whole number
-    of MIN_GROUP_LANES-lane vectors (``group_lanes``) and more than DIRECT_MAX_GROUP_WIDTH
-    channels. Narrower groups are where oneDNN has no good kernel either: 3x3, 2 threads, AMD
-    EPYC Zen 5, direct kernel + ReLU against ``F.relu(F.conv2d)``, batch 1 / 8: groups of 2
+    of MIN_GROUP_LANES-lane vectors (``group_lanes``) and, in float32, more than
+    DIRECT_MAX_GROUP_WIDTH channels. Narrower groups are where oneDNN has no good kernel
+    either: 3x3, 2 threads, AMD EPYC Zen 5, direct kernel + ReLU against
+    ``F.relu(F.conv2d)``, batch 1 / 8: groups of 2
     channels 3.95-6.26x / 3.99-6.05x, of 3 2.09-5.42x / 1.51-3.93x, of 6 1.79-2.98x /
     1.26-2.08x, of 10 1.22x / 1.18x; of 14 0.89x / 0.84x, of 30 0.46x / 0.41x, of 50 0.20x /
     0.14x. (Before the blocked kernel took half vectors, RegNet's groups of 8 ran the direct
@@ -155,7 +156,8 @@ def untuned_groups(c: int, k: int, groups: int, dtype: str, cpu: CpuInfo | None 
     cpu = cpu or host_cpu()
     if groups in (1, c) or group_lanes(c, k, groups, dtype, cpu) is not None:
         return False
-    return k // groups > DIRECT_MAX_GROUP_WIDTH
+    # (measured in float32 only: other dtypes keep the rule from before, all to torch)
+    return dtype != "float32" or k // groups > DIRECT_MAX_GROUP_WIDTH
 
 
 DIRECT_MAX_GROUP_WIDTH = 10  # see untuned_groups
