@@ -386,7 +386,7 @@ at::Tensor apply_activation(const at::Tensor& t, int act) {
   if (name == "silu") return at::silu(t);
   if (name == "relu6") return at::hardtanh(t, 0, 6);
   if (name == "hardswish") return at::hardswish(t);
-  if (name == "leaky_relu") return at::leaky_relu(t, 0.01);
+  if (name == "leaky_relu") return at::leaky_relu(t, 0.01);  // (epilogue.LEAKY_RELU_SLOPE)
   if (name == "sigmoid") return at::sigmoid(t);
   if (name == "hardsigmoid") return at::hardsigmoid(t);
   TORCH_CHECK(false, "tvm_gemm: internal error: no C++ formula for activation '", name, "'");

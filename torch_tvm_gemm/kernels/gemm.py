@@ -137,7 +137,7 @@ def apply_activation(x, activation: str, dtype: str, device: str = "cpu"):
         return epilogue.gelu_tanh(x, dtype, device)
     if activation == "silu":  # F.silu: x * sigmoid(x)
         return epilogue.silu(x, dtype, device)
-    if conv2d.is_activation(activation):  # relu6, hardswish, leaky_relu (a conv's GEMM)
+    if conv2d.is_activation(activation):  # the conv op's others (a conv run as a GEMM)
         return conv2d.activate(activation, x, dtype, device)
     raise ValueError(f"unknown activation {activation!r}")
 
