@@ -8,8 +8,9 @@ changes through torch (``load_state_dict``, an optimizer step, ``copy_``, ``.to(
 bumps the tensor's version), in the memory format the op reads in place
 (``conv_ops.weight_layout``: channels_last for the bf16 NHWC convs, which permuted it at
 every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward on an AMD
-EPYC; and for the fp32 convs with few output pixels, a GEMM over channels-last patches;
-an input of another image size folds again). A write that torch does not count (through
+EPYC; for the fp32 convs with few output pixels, a GEMM over channels-last patches; and
+for the fp32 convs of a channels_last input; an input of another image size or memory
+format folds again). A write that torch does not count (through
 ``tensor.data`` or a numpy view of it) is not seen: call ``refold()`` after one. (Folding
 at every call instead would cost a pass over the weight per call, as much as the conv's own
 pack.) Under
@@ -101,8 +102,10 @@ class TVMConv2dBN(nn.Module):
         try:
             # (a new dtype or device means new tensors: the weight's stand for the six)
             versions = [(t._version, t.data_ptr()) for t in tensors]
-            # (and x's image: its size picks the route, hence the layout, e.g. at 7x7 pixels)
-            key = (versions, tensors[0].dtype, tensors[0].device, x.shape[1:], x.dtype)
+            # (and x's image: its size and memory format pick the route, hence the layout,
+            # e.g. at 7x7 pixels, or channels_last)
+            image = (x.shape[1:], x.dtype, x.is_contiguous())
+            key = (versions, tensors[0].dtype, tensors[0].device, image)
         except RuntimeError:  # inference tensors have no version: fold every time
             key = None
         if not plain:  # a computed tensor: fold every time

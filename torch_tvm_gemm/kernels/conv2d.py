@@ -4,7 +4,11 @@
 ReLU of another slope, ``leaky_relu_<slope>`` (see ``leaky_relu_slope``).
 
 No schedule here (see ``schedules/cpu_conv2d.py``). Layouts are torch's: ``x (N, C, H, W)``,
-``weight (K, C/groups, R, S)``, ``bias (K,)``, ``out (N, K, OH, OW)``, all contiguous.
+``weight (K, C/groups, R, S)``, ``bias (K,)``, ``out (N, K, OH, OW)``, all contiguous; or,
+for the "blocked" variant with ``Conv2dSpec.layout`` "nhwc", those of a channels_last model
+as they lie in memory: ``x (N, H, W, C)``, ``weight (K, R, S, C/groups)``, ``out (N, OH, OW,
+K)`` (the reduction then runs over (r, s, c), c innermost, and the output tile is stored as
+the vectors it is computed in).
 
 What is static and what is symbolic: the batch ``N`` is symbolic (one kernel for every batch
 size); everything else (C, K, R, S, H, W, stride, padding, dilation, groups) is static. A
@@ -126,8 +130,8 @@ class Conv2dSpec:
     relu: bool = True  # the epilogue when ``activation`` is None: "relu" or "none"
     device: str = "cpu"
     activation: str | None = None  # is_activation(); replaces ``relu`` when given
-    # "nchw" (torch's layouts, above), or "nhwc": the depthwise kernel over channels-last
-    # pixels (``kernels/conv2d_depthwise_nhwc.py`` says its layouts)
+    # "nchw" (torch's layouts, above), or "nhwc": a kernel over channels-last pixels, the
+    # blocked one (above) or, for a depthwise spec, ``kernels/conv2d_depthwise_nhwc.py``
     layout: str = "nchw"
     # The CPU blocked kernel's weight pack: "task" (each parallel task packs its block of
     # output channels) or "call" (the whole weight once a call, before the tasks: where a
@@ -228,21 +232,45 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
     hp = (oh - 1) * sh + (spec.r - 1) * dh + 1
     wp = padded_input_width(spec, ow_tile)
 
+    nhwc = spec.layout == "nhwc"  # (the blocked variant only)
+    if nhwc and k_block is None:
+        raise ValueError(f"the conv over channels-last pixels is blocked only: {spec}")
     n = tirx.Var("N", "int64")
-    x = te.placeholder((n, spec.c, spec.h, spec.w), spec.dtype, name="x")
-    weight = te.placeholder((spec.k, cg, spec.r, spec.s), spec.dtype, name="weight")
+    x_shape = (n, spec.h, spec.w, spec.c) if nhwc else (n, spec.c, spec.h, spec.w)
+    x = te.placeholder(x_shape, spec.dtype, name="x")
+    # (channels last, the weight too: (K, R, S, C/groups), as a channels_last model keeps it)
+    w_shape = (spec.k, spec.r, spec.s, cg) if nhwc else (spec.k, cg, spec.r, spec.s)
+    weight = te.placeholder(w_shape, spec.dtype, name="weight")
     bias = te.placeholder((spec.k,), spec.dtype, name="bias")
+
+    def w_read(k, c, i, j):
+        return (weight[k, i, j, c] if nhwc else weight[k, c, i, j]).astype(acc)
+
+    def x_read(b, c, i, j):
+        return (x[b, i, j, c] if nhwc else x[b, c, i, j]).astype(acc)
 
     def x_at(b, c, i, j):
         if ph == 0 and pw == 0 and wp <= spec.w:  # nothing to pad: a plain read
-            return x[b, c, i, j].astype(acc)
+            return x_read(b, c, i, j)
         inside = tirx.all(i >= ph, i < spec.h + ph, j >= pw, j < spec.w + pw)
         # Clamped indices keep the (masked) read in bounds.
         ii = te.max(te.min(i - ph, spec.h - 1), 0)
         jj = te.max(te.min(j - pw, spec.w - 1), 0)
-        return tirx.if_then_else(inside, x[b, c, ii, jj].astype(acc), tirx.const(0, acc))
+        return tirx.if_then_else(inside, x_read(b, c, ii, jj), tirx.const(0, acc))
 
-    x_pad = te.compute((n, spec.c, hp, wp), x_at, name="x_pad")
+    if nhwc:  # the padded copy keeps the channels last too
+        x_pad_nhwc = te.compute((n, hp, wp, spec.c), lambda b, i, j, c: x_at(b, c, i, j),
+                                name="x_pad")  # fmt: skip
+
+        def x_padded(b, c, i, j):
+            return x_pad_nhwc[b, i, j, c]
+
+    else:
+        x_pad = te.compute((n, spec.c, hp, wp), x_at, name="x_pad")
+
+        def x_padded(b, c, i, j):
+            return x_pad[b, c, i, j]
+
     rc = te.reduce_axis((0, cg), name="rc")
     rr = te.reduce_axis((0, spec.r), name="rr")
     rs = te.reduce_axis((0, spec.s), name="rs")
@@ -252,7 +280,7 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         acc_t = te.compute(
             (n, spec.k, oh, owp),
             lambda b, k, i, j: te.sum(
-                x_pad[b, (k // kg) * cg + rc, i * sh + rr * dh, j * sw + rs * dw]
+                x_padded(b, (k // kg) * cg + rc, i * sh + rr * dh, j * sw + rs * dw)
                 * w_pack[k, rc, rr, rs],
                 axis=[rc, rr, rs],
             ),
@@ -274,13 +302,28 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         def packed(ko, c, i, j, ki):
             k = ko * kb + ki
             if kp == spec.k:
-                return weight[k, c, i, j].astype(acc)
+                return w_read(k, c, i, j)
             kk = te.min(k, spec.k - 1)  # clamped: the masked read stays in bounds
-            return tirx.if_then_else(
-                k < spec.k, weight[kk, c, i, j].astype(acc), tirx.const(0, acc)
-            )
+            return tirx.if_then_else(k < spec.k, w_read(kk, c, i, j), tirx.const(0, acc))
 
-        w_pack = te.compute((kp // kb, cg, spec.r, spec.s, kb), packed, name="w_pack")
+        # Channels last, the reduction runs over (r, s, c), c innermost: each step reads
+        # the next channel of the same pixels, as the input and the weight lie in memory.
+        if nhwc:
+            w_pack_rsc = te.compute((kp // kb, spec.r, spec.s, cg, kb),
+                                    lambda ko, i, j, c, ki: packed(ko, c, i, j, ki),
+                                    name="w_pack")  # fmt: skip
+
+            def w_packed(ko, c, i, j, ki):
+                return w_pack_rsc[ko, i, j, c, ki]
+
+            reduction = [rr, rs, rc]
+        else:
+            w_pack = te.compute((kp // kb, cg, spec.r, spec.s, kb), packed, name="w_pack")
+
+            def w_packed(ko, c, i, j, ki):
+                return w_pack[ko, c, i, j, ki]
+
+            reduction = [rc, rr, rs]
 
         def chan(ko, c):  # the input channel of reduction step c for output block ko
             if spec.groups == 1:
@@ -290,9 +333,9 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
         acc_t = te.compute(
             (n, kp // kb, oh, owp, kb),
             lambda b, ko, i, j, ki: te.sum(
-                x_pad[b, chan(ko, rc), i * sh + rr * dh, j * sw + rs * dw]
-                * w_pack[ko, rc, rr, rs, ki],
-                axis=[rc, rr, rs],
+                x_padded(b, chan(ko, rc), i * sh + rr * dh, j * sw + rs * dw)
+                * w_packed(ko, rc, rr, rs, ki),
+                axis=reduction,
             ),
             name="acc",
         )
@@ -321,6 +364,9 @@ def conv2d_compute(spec: Conv2dSpec, ow_tile: int = 1, k_block: int | None = Non
             v = activate(spec.activation, v, acc, spec.device)
         return v.astype(spec.dtype)
 
-    out = te.compute((n, spec.k, oh, ow), final, name="out")
+    if nhwc:
+        out = te.compute((n, oh, ow, spec.k), lambda b, i, j, k: final(b, k, i, j), name="out")
+    else:
+        out = te.compute((n, spec.k, oh, ow), final, name="out")
     args = [x, weight] + ([bias] if spec.bias else []) + [out]
     return te.create_prim_func(args).with_attr("global_symbol", "main")

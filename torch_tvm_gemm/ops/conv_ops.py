@@ -21,6 +21,7 @@ from ..runtime.loader import sync_threads
 from ..runtime.table import get_kernel
 from ..schedules import cpu_depthwise_nhwc
 from ..schedules.cpu_conv2d import (
+    channels_last_blocked,
     nhwc_kernel,
     one_pixel_as_linear,
     patches_as_gemm,
@@ -196,8 +197,9 @@ def weight_layout(x: Tensor, weight: Tensor, stride, padding, dilation, groups: 
     """The memory format in which the CPU conv of ``x`` reads ``weight`` as it lies:
     channels_last ((K, R, S, C) in memory) where it runs the bf16 implicit GEMM over NHWC
     pixels (route "nhwc"), which permutes any other weight at every call, or where a
-    channels_last weight makes it a GEMM over patches (``reads_patches``); else contiguous.
-    For a module that keeps a weight it derives (the conv + BN fold, ``fold.py``): ResNet-50's
+    channels_last weight makes it a GEMM over patches (``reads_patches``), or where it runs
+    the blocked kernel over the pixels of a channels_last x (``channels_last_blocked``); else
+    contiguous. For a module that keeps a weight it derives (the conv + BN fold, ``fold.py``): ResNet-50's
     512-channel 3x3 weights took 0.8-2 ms a call to permute in bf16 (AMD EPYC, batch 1), where
     the conv itself takes ~0.5 ms."""
     if x.device.type != "cpu" or x.dim() != 4 or weight.dim() != 4:
@@ -208,7 +210,8 @@ def weight_layout(x: Tensor, weight: Tensor, stride, padding, dilation, groups: 
     except (ValueError, TypeError, RuntimeError):  # a bad call: the op itself will say so
         return torch.contiguous_format
     patches = spec is not None and patches_as_gemm(spec)
-    return CL if route == "nhwc" or patches else torch.contiguous_format
+    blocked_nhwc = spec is not None and channels_last_output(x) and channels_last_blocked(spec)
+    return CL if route == "nhwc" or patches or blocked_nhwc else torch.contiguous_format
 
 
 def channels_last_output(x: Tensor) -> bool:
@@ -225,17 +228,19 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     conv: 0.93-1.25x at ResNet-50's 1x1 shapes at batch 8, where the NCHW routes ran at
     0.42-0.87x); a strided one on a channels_last copy of the pixels it reads. The bf16
     implicit GEMM ("nhwc") reads x and writes its output channels-last as they are, and so
-    does the depthwise kernel over channels-last pixels. Other convs run the NCHW kernel
-    and their output is copied to channels_last."""
+    do the depthwise and blocked kernels over channels-last pixels (``_conv_nhwc``). Other
+    convs run the NCHW kernel and their output is copied to channels_last."""
     n, _, out_h, out_w = shape
     if reads_patches(spec, weight):
         y = _patches_product(x, weight, bias, spec)
         return y.view(n, out_h, out_w, -1).permute(0, 3, 1, 2)
     if cpu_depthwise_nhwc.applies(spec, host_cpu()):
-        return _depthwise_nhwc(x, weight, bias, spec, shape)
-    stride = spec.stride
-    if strided_pointwise(spec):
-        x, stride = _subsampled(x, spec).contiguous(memory_format=CL), (1, 1)
+        return _conv_nhwc(x, weight, bias, spec, shape)
+    if strided_pointwise(spec):  # the same conv at stride 1, on the pixels it reads
+        sub = _subsampled(x, spec).contiguous(memory_format=CL)
+        y = _conv2d_impl(sub, weight, bias, [1, 1], [0, 0], [1, 1], spec.groups, spec.relu,
+                         spec.activation)  # fmt: skip
+        return y.contiguous(memory_format=CL)  # (a no-op, but where the pixels are one)
     if spec.r == spec.s == 1 and spec.padding == (0, 0) and spec.groups == 1:
         k, c = weight.shape[:2]
         pixels = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view: x is channels_last
@@ -245,11 +250,13 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     if nhwc_kernel(spec) is not None:  # NHWC in and out already: no copy to NCHW and back
         y = _nhwc_product(x, weight, bias, spec)
         return y.view(n, out_h, out_w, -1).permute(0, 3, 1, 2)
+    if channels_last_blocked(spec):
+        return _conv_nhwc(x, weight, bias, spec, shape)
     y = _conv2d_impl(
         x.contiguous(),
         weight,
         bias,
-        list(stride),
+        list(spec.stride),
         list(spec.padding),
         list(spec.dilation),
         spec.groups,
@@ -260,17 +267,21 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
 
 
 @functools.lru_cache(maxsize=4096)
-def _nhwc_spec(spec: Conv2dSpec) -> Conv2dSpec:
-    """``spec``'s kernel over channels-last pixels (one object per geometry, as ``_conv_spec``)."""
-    return dataclasses.replace(spec, layout="nhwc")
+def _nhwc_spec(spec: Conv2dSpec, batch: int) -> Conv2dSpec:
+    """``spec``'s kernel over channels-last pixels for ``batch`` images (one object per
+    geometry, as ``_conv_spec``), with the blocked kernel's weight pack for that layout."""
+    nhwc = dataclasses.replace(spec, layout="nhwc", weight_pack="task")
+    return dataclasses.replace(nhwc, weight_pack=weight_pack(nhwc, batch))
 
 
-def _depthwise_nhwc(x: Tensor, weight: Tensor, bias: Tensor | None, spec, shape) -> Tensor:
-    """A depthwise conv of a channels_last ``x`` by the kernel over its channels-last pixels
-    (``schedules/cpu_depthwise_nhwc.py``): x read as it lies, the weight as (R, S, C) (a copy
-    of R*S*C values), the output written channels-last. Planning records that kernel."""
+def _conv_nhwc(x: Tensor, weight: Tensor, bias: Tensor | None, spec, shape) -> Tensor:
+    """A conv of a channels_last ``x`` by a kernel over its channels-last pixels: the
+    depthwise one (``schedules/cpu_depthwise_nhwc.py``, the weight as (R, S, C): a copy of
+    R*S*C values) or the blocked one (``channels_last_blocked``, the weight in torch's
+    layout, packed by the kernel). x is read as it lies, the output written channels-last.
+    Planning records the kernel."""
     n, k, out_h, out_w = shape
-    nhwc = _nhwc_spec(spec)
+    nhwc = _nhwc_spec(spec, n)
     found = active_plan()
     if found is not None:
         found.record(nhwc)
@@ -281,9 +292,12 @@ def _depthwise_nhwc(x: Tensor, weight: Tensor, bias: Tensor | None, spec, shape)
         return torch_activation(spec.activation)(y)
     kernel = get_kernel(nhwc)
     sync_threads()
-    w_rsc = weight.reshape(k, spec.r, spec.s).permute(1, 2, 0).contiguous()
+    if spec.groups == spec.c == spec.k:  # depthwise
+        w = weight.reshape(k, spec.r, spec.s).permute(1, 2, 0).contiguous()
+    else:  # (K, R, S, C/groups): no copy of a channels_last weight (``weight_layout``)
+        w = weight.permute(0, 2, 3, 1).contiguous()
     out = output_pool.empty((n, out_h, out_w, k), x.dtype, x.device)
-    args = [x.permute(0, 2, 3, 1), w_rsc] + ([bias.contiguous()] if bias is not None else [])
+    args = [x.permute(0, 2, 3, 1), w] + ([bias.contiguous()] if bias is not None else [])
     kernel(*[aligned(t) for t in args], out)  # out: fresh, hence aligned
     return out.permute(0, 3, 1, 2)
 

@@ -3,7 +3,7 @@
 | family | cpu | cuda |
 |---|---|---|
 | gemm | ``cpu.schedule_gemm`` (bf16 on AMX: ``cpu_amx``, on AVX512-BF16: ``cpu_avx512_bf16``) | ``cuda.schedule_gemm`` (mma.sync / WMMA / TF32 / SIMT) |
-| conv2d | ``cpu_conv2d.schedule_conv2d`` (depthwise: ``cpu_depthwise``, over channels-last pixels ``cpu_depthwise_nhwc``; bf16 on AMX: ``cpu_amx_conv``, on AVX512-BF16: ``cpu_avx512_bf16_conv``) | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
+| conv2d | ``cpu_conv2d.schedule_conv2d`` (depthwise: ``cpu_depthwise``, over channels-last pixels ``cpu_depthwise_nhwc``; other convs over channels-last pixels: the same blocked schedule; bf16 on AMX: ``cpu_amx_conv``, on AVX512-BF16: ``cpu_avx512_bf16_conv``) | ``cuda_conv2d.schedule_conv2d`` (implicit GEMM) |
 
 ``cuda_intrin`` holds the tensor-core intrinsics, ``cuda_wgmma`` the Hopper TMA + wgmma
 kernel. Each schedule module has its own ``SCHEDULE_VERSION``; ``version(family, device)``
