@@ -546,12 +546,13 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
 // the checks, the route, the kernel), once per geometry. We keep that decision per geometry
 // too, so that a repeated call does not enter Python at all: "conv" (the conv kernel on an NCHW
 // x, called here), "linear" (a 1x1 conv with one output pixel: the linear GEMM over that pixel),
-// or "python" (every other route, and empty outputs: conv_ops._conv2d_impl, called through
-// pybind). Python answers a miss with conv_ops.cpp_route, which raises the checks' error for
+// for a channels_last x "nhwc kernel" (a kernel over its pixels, conv_ops._conv_nhwc) and
+// "pixels" (a 1x1 conv: one GEMM over all pixels), or "python" (every other route, and empty
+// outputs: conv_ops._conv2d_impl, called through pybind). Python answers a miss with conv_ops.cpp_route, which raises the checks' error for
 // a bad call. Why: the Python impl costs ~8 us a call hot, ~20 us between a model's other ops
 // (RegNetY-400MF's squeeze-and-excitation convs, batch 1), where its kernels take 1-100 us.
 
-enum class ConvRoute : int8_t { kPython = 0, kConv = 1, kLinear = 2 };
+enum class ConvRoute : int8_t { kPython = 0, kConv = 1, kLinear = 2, kNhwc = 3, kPixels = 4 };
 
 // Everything _checked_geometry's answer depends on. A call whose tensors are not 4-D (bias:
 // 1-D) or whose lists are not 1 or 2 long has no key: it goes to Python, which says why.
@@ -602,9 +603,10 @@ struct ConvKeyHash {
 
 struct ConvPlan {
   ConvRoute route = ConvRoute::kPython;
-  tvm::ffi::Function kernel;  // kConv
+  tvm::ffi::Function kernel;  // kConv, kNhwc
   std::array<int64_t, 4> out{};
-  int activation = 0;  // kLinear: the linear op's activation (index into g_config.activations)
+  int activation = 0;  // kLinear, kPixels: the linear op's activation (g_config.activations)
+  bool depthwise = false;  // kNhwc: the depthwise kernel (its weight as (R, S, C))
 };
 
 using ConvTable = std::unordered_map<ConvKey, ConvPlan, ConvKeyHash>;
@@ -677,15 +679,19 @@ ConvPlan conv_miss(const at::Tensor& x, const at::Tensor& w, const std::optional
     TORCH_CHECK(out.size() == 4, "tvm_gemm: internal error: a conv output of rank ", out.size());
     std::copy(out.begin(), out.end(), plan.out.begin());
     kernel_id = answer[2].cast<int64_t>();
-    if (route == "conv" && find_dtype(x.scalar_type()) != nullptr) {
+    const bool kernel_dtype = find_dtype(x.scalar_type()) != nullptr;
+    if (route == "conv" && kernel_dtype) {
       plan.route = ConvRoute::kConv;
-    } else if (route == "linear") {
-      plan.route = ConvRoute::kLinear;
+    } else if (route == "nhwc kernel" && kernel_dtype) {
+      plan.route = ConvRoute::kNhwc;
+      plan.depthwise = groups == x.size(1) && groups == w.size(0);
+    } else if (route == "linear" || route == "pixels") {
+      plan.route = route == "linear" ? ConvRoute::kLinear : ConvRoute::kPixels;
       plan.activation = find_activation(answer[3].cast<std::string>());
       TORCH_CHECK(plan.activation >= 0, "tvm_gemm: internal error: an unknown linear activation");
     }
   }
-  if (plan.route == ConvRoute::kConv) {
+  if (plan.route == ConvRoute::kConv || plan.route == ConvRoute::kNhwc) {
     // (outside our GIL scope: the global function is Python's and takes the GIL itself)
     tvm::ffi::Function get = tvm::ffi::Function::GetGlobalRequired("tvm_gemm.conv_kernel");
     plan.kernel = get(kernel_id).cast<tvm::ffi::Function>();
@@ -731,9 +737,19 @@ at::Tensor conv2d_impl(const at::Tensor& x, const at::Tensor& weight,
   if (plan.route == ConvRoute::kPython) {
     return conv2d_python(x, weight, bias, stride, padding, dilation, groups, relu, activation);
   }
-  at::Tensor out = empty_output(plan.out, x.options());
+  const int64_t n = plan.out[0], k = plan.out[1], oh = plan.out[2], ow = plan.out[3];
+  const int64_t c = x.size(1);
+  if (plan.route == ConvRoute::kPixels) {  // channels_last x, 1x1: (N*H*W, C) @ W^T, no copy
+    at::Tensor pixels_out = empty_output({n * oh * ow, k}, x.options());
+    gemm(x.permute({0, 2, 3, 1}).reshape({-1, c}), weight.reshape({k, c}), /*b_nk=*/true, bias,
+         plan.activation, /*static_k=*/true, pixels_out);
+    return pixels_out.view({n, oh, ow, k}).permute({0, 3, 1, 2});
+  }
+  const bool nhwc = plan.route == ConvRoute::kNhwc;
+  // (channels_last x: the kernel writes (N, OH, OW, K), returned as its NCHW-shaped view)
+  at::Tensor out = nhwc ? empty_output({n, oh, ow, k}, x.options())
+                        : empty_output(plan.out, x.options());
   if (plan.route == ConvRoute::kLinear) {  // (written into the output: never a view of a result)
-    const int64_t n = x.size(0), c = x.size(1), k = weight.size(0);
     gemm(x.select(3, 0).select(2, 0), weight.reshape({k, c}), /*b_nk=*/true, bias,
          plan.activation, /*static_k=*/true, out.view({n, k}));
     return out;
@@ -741,8 +757,19 @@ at::Tensor conv2d_impl(const at::Tensor& x, const at::Tensor& weight,
   const DtypeInfo& dtype = *find_dtype(x.scalar_type());
   sync_threads();
   // The kernel reads the weight as it lies and packs it at every call (conv_ops says why).
-  const at::Tensor xc = aligned(x.contiguous());
-  const at::Tensor wc = aligned(weight.contiguous());
+  // Over channels-last pixels: x as (N, H, W, C) (a view of a channels_last x), the weight
+  // as (K, R, S, C/groups) (a view of a channels_last one), or (R, S, C) for the depthwise
+  // kernel, as conv_ops._conv_nhwc hands them over.
+  at::Tensor wc;
+  if (nhwc && plan.depthwise) {
+    wc = weight.reshape({k, weight.size(2), weight.size(3)}).permute({1, 2, 0}).contiguous();
+  } else if (nhwc) {
+    wc = weight.permute({0, 2, 3, 1}).contiguous();
+  } else {
+    wc = weight.contiguous();
+  }
+  wc = aligned(wc);
+  const at::Tensor xc = aligned(nhwc ? x.permute({0, 2, 3, 1}) : x.contiguous());
   DLTensor dl_x = dl_view(xc, dtype);
   DLTensor dl_w = dl_view(wc, dtype);
   DLTensor dl_out = dl_view(out, dtype);  // fresh, hence aligned
@@ -757,7 +784,7 @@ at::Tensor conv2d_impl(const at::Tensor& x, const at::Tensor& weight,
   } catch (const tvm::ffi::Error& err) {
     rethrow_ffi_error(err, "the TVM kernel failed");
   }
-  return out;
+  return nhwc ? out.permute({0, 3, 1, 2}) : out;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -41,8 +41,26 @@ CASES = {
         randn(2, 24, 1, 1), randn(12, 24, 1, 1), act="leaky_relu_0.1"
     ),
     "one pixel of a strided 2x2": lambda: _case(randn(3, 8, 2, 2), randn(12, 8, 1, 1), stride=2),
-    "channels_last x (Python)": lambda: _case(
+    "channels_last x": lambda: _case(
         randn(1, 8, 6, 6).contiguous(memory_format=CL), randn(16, 8, 3, 3), padding=1
+    ),
+    "channels_last x and weight, silu": lambda: _case(
+        randn(2, 8, 6, 6).contiguous(memory_format=CL),
+        randn(16, 8, 3, 3).contiguous(memory_format=CL),
+        padding=1,
+        act="silu",
+    ),
+    "channels_last depthwise": lambda: _case(
+        randn(2, 16, 7, 7).contiguous(memory_format=CL), randn(16, 1, 3, 3), padding=1, groups=16
+    ),
+    "channels_last 1x1: pixels": lambda: _case(
+        randn(2, 24, 5, 5).contiguous(memory_format=CL), randn(12, 24, 1, 1), act="hardswish"
+    ),
+    "channels_last 1x1, another leaky slope (Python)": lambda: _case(
+        randn(2, 24, 5, 5).contiguous(memory_format=CL), randn(12, 24, 1, 1), act="leaky_relu_0.1"
+    ),
+    "channels_last x, 20 channels (Python)": lambda: _case(
+        randn(1, 8, 6, 6).contiguous(memory_format=CL), randn(20, 8, 3, 3), padding=1
     ),
     "strided x": lambda: _case(randn(1, 8, 6, 12)[..., ::2], randn(16, 8, 3, 3), padding=1),
     "strided 1x1 (Python)": lambda: _case(randn(1, 8, 8, 8), randn(16, 8, 1, 1), stride=2),
@@ -139,12 +157,16 @@ def test_gradients_through_the_cpp_path():
         ("one pixel: linear", True),
         ("one pixel, sigmoid", True),
         ("one pixel, another leaky slope (Python)", False),
-        ("channels_last x (Python)", False),
+        ("channels_last x", True),
+        ("channels_last depthwise", True),
+        ("channels_last 1x1: pixels", True),
+        ("channels_last 1x1, another leaky slope (Python)", False),
+        ("channels_last x, 20 channels (Python)", False),
     ],
 )
 def test_which_routes_stay_in_cpp(monkeypatch, name, in_cpp):
-    """Once planned, the conv kernel and one-pixel routes never enter the Python impl; the
-    others call it every time."""
+    """Once planned, the conv kernel, one-pixel and channels_last kernel / pixel-GEMM routes
+    never enter the Python impl; the others call it every time."""
     from torch_tvm_gemm.ops import conv_ops
 
     args = CASES[name]()

@@ -221,6 +221,25 @@ def channels_last_output(x: Tensor) -> bool:
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=CL)
 
 
+def channels_last_route(spec: Conv2dSpec, weight: Tensor) -> str:
+    """The route of the CPU conv of a channels_last x (``_conv2d_channels_last`` runs it):
+    "patches" (few output pixels: ``reads_patches``), "nhwc kernel" (a depthwise or blocked
+    kernel over the channels-last pixels: ``_conv_nhwc``), "subsample" (a strided 1x1 conv:
+    the same conv at stride 1 on the pixels it reads), "pixels" (a 1x1 conv: one GEMM over
+    all pixels), "nhwc" (the bf16 implicit GEMM) or "copy" (the NCHW kernel on a copy)."""
+    if reads_patches(spec, weight):
+        return "patches"
+    if cpu_depthwise_nhwc.applies(spec, host_cpu()):
+        return "nhwc kernel"
+    if strided_pointwise(spec):
+        return "subsample"
+    if spec.r == spec.s == 1 and spec.padding == (0, 0) and spec.groups == 1:
+        return "pixels"
+    if nhwc_kernel(spec) is not None:
+        return "nhwc"
+    return "nhwc kernel" if channels_last_blocked(spec) else "copy"
+
+
 def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tensor:
     """The CPU conv of a channels_last ``x``, its output channels_last. A 1x1 conv is then one
     GEMM over all pixels, ``(N*H*W, C) @ W^T``, on x as it lies and straight into the output
@@ -231,27 +250,26 @@ def _conv2d_channels_last(x: Tensor, weight: Tensor, bias, spec, shape) -> Tenso
     do the depthwise and blocked kernels over channels-last pixels (``_conv_nhwc``). Other
     convs run the NCHW kernel and their output is copied to channels_last."""
     n, _, out_h, out_w = shape
-    if reads_patches(spec, weight):
+    route = channels_last_route(spec, weight)
+    if route == "patches":
         y = _patches_product(x, weight, bias, spec)
         return y.view(n, out_h, out_w, -1).permute(0, 3, 1, 2)
-    if cpu_depthwise_nhwc.applies(spec, host_cpu()):
+    if route == "nhwc kernel":
         return _conv_nhwc(x, weight, bias, spec, shape)
-    if strided_pointwise(spec):  # the same conv at stride 1, on the pixels it reads
+    if route == "subsample":  # the same conv at stride 1, on the pixels it reads
         sub = _subsampled(x, spec).contiguous(memory_format=CL)
         y = _conv2d_impl(sub, weight, bias, [1, 1], [0, 0], [1, 1], spec.groups, spec.relu,
                          spec.activation)  # fmt: skip
         return y.contiguous(memory_format=CL)  # (a no-op, but where the pixels are one)
-    if spec.r == spec.s == 1 and spec.padding == (0, 0) and spec.groups == 1:
+    if route == "pixels":
         k, c = weight.shape[:2]
         pixels = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view: x is channels_last
         out = output_pool.empty((n * out_h * out_w, k), x.dtype, x.device)
         _gemm_activated(pixels, weight.reshape(k, c), "nk", bias, spec.activation, out, "n")
         return out.view(n, out_h, out_w, k).permute(0, 3, 1, 2)
-    if nhwc_kernel(spec) is not None:  # NHWC in and out already: no copy to NCHW and back
+    if route == "nhwc":  # NHWC in and out already: no copy to NCHW and back
         y = _nhwc_product(x, weight, bias, spec)
         return y.view(n, out_h, out_w, -1).permute(0, 3, 1, 2)
-    if channels_last_blocked(spec):
-        return _conv_nhwc(x, weight, bias, spec, shape)
     y = _conv2d_impl(
         x.contiguous(),
         weight,
@@ -452,8 +470,9 @@ def _planned_conv2d(x, weight, bias, stride, padding, dilation, groups, relu, ac
 
 
 # The C++ impl (csrc/tvm_gemm_ops.cpp conv2d_impl) keeps, per geometry, the route this
-# function chooses: it runs the "conv" and "linear" routes itself and calls _conv2d_impl for
-# the others. Its kernels are handed over by id (``cpp_conv_kernel``, through tvm-ffi).
+# function chooses: it runs the "conv", "linear", "nhwc kernel" and "pixels" routes itself and
+# calls _conv2d_impl for the others. Its kernels are handed over by id (``cpp_conv_kernel``,
+# through tvm-ffi).
 _CPP_KERNEL_SPECS: list[Conv2dSpec] = []
 _CPP_KERNEL_IDS: dict[Conv2dSpec, int] = {}
 
@@ -465,25 +484,42 @@ CPP_LINEAR_EPILOGUES = frozenset(GEMM_ACTIVATIONS) | frozenset(CONV_ACTIVATIONS)
 
 def cpp_route(x, weight, bias, stride, padding, dilation, groups, relu, activation):
     """The C++ impl's plan for a call's geometry: ``(route, output shape, kernel id, linear
-    activation)``, route "conv" (the conv kernel of id ``kernel id``, on an NCHW x), "linear"
-    (a 1x1 conv with one output pixel whose epilogue the C++ GEMM table knows) or "python" (the
-    rest, and empty outputs: it calls ``_conv2d_impl``). Raises the checks' error for a bad
-    call, and builds (or loads) the kernel, as the first Python call would."""
+    activation)``. Routes: "conv" (the conv kernel of id ``kernel id``, on an NCHW x),
+    "linear" (a 1x1 conv with one output pixel whose epilogue the C++ GEMM table knows), for
+    a channels_last x "nhwc kernel" (the kernel of id ``kernel id`` over its pixels:
+    ``_conv_nhwc``) and "pixels" (a 1x1 conv: the GEMM over all pixels, an epilogue the
+    GEMM table knows), or "python" (the rest, and empty outputs: it calls ``_conv2d_impl``).
+    Raises the checks' error for a bad call, and builds (or loads) the kernel, as the first
+    Python call would."""
     shape, spec, route = _checked_geometry(
         x, weight, bias, stride, padding, dilation, groups, relu, activation
     )
-    if math.prod(shape) == 0 or channels_last_output(x):
-        return "python", list(shape), -1, "none"
+    python = "python", list(shape), -1, "none"
+    if math.prod(shape) == 0:
+        return python
+    if channels_last_output(x):
+        route = channels_last_route(spec, weight)
+        if route == "pixels" and spec.activation in CPP_LINEAR_EPILOGUES:
+            return "pixels", list(shape), -1, spec.activation
+        if route == "nhwc kernel":
+            return route, list(shape), _cpp_kernel_id(_nhwc_spec(spec, shape[0])), "none"
+        return python
     if route == "linear" and spec.activation in CPP_LINEAR_EPILOGUES:
         return "linear", list(shape), -1, spec.activation
     if route != "conv":
-        return "python", list(shape), -1, "none"
-    get_kernel(spec)  # (a failed build raises here, as a Python error)
+        return python
+    return "conv", list(shape), _cpp_kernel_id(spec), "none"
+
+
+def _cpp_kernel_id(spec: Conv2dSpec) -> int:
+    """The id by which the C++ impl asks for ``spec``'s kernel (built or loaded here first:
+    a failed build raises here, as a Python error)."""
+    get_kernel(spec)
     kernel_id = _CPP_KERNEL_IDS.get(spec)
     if kernel_id is None:
         kernel_id = _CPP_KERNEL_IDS[spec] = len(_CPP_KERNEL_SPECS)
         _CPP_KERNEL_SPECS.append(spec)
-    return "conv", list(shape), kernel_id, "none"
+    return kernel_id
 
 
 def cpp_conv_kernel(kernel_id: int):
