@@ -224,6 +224,35 @@ def test_bench_models_cli_runs(tmp_path):
         assert row["max_rel_err"] < 1e-4 and row["converted_s"] > 0
 
 
+def test_bench_models_channels_last(monkeypatch):
+    """``--channels-last`` hands the CNN and its pixels over in channels_last, eager too."""
+    import torch
+
+    from torch_tvm_gemm.__main__ import main
+    from torch_tvm_gemm.cli import bench_models
+
+    seen = []
+    build = bench_models.build
+
+    def watched(name, layers, channels_last=False):
+        model, make = build(name, layers, channels_last)
+        weight = next(p for p in model.parameters() if p.dim() == 4)
+        seen.append(weight.is_contiguous(memory_format=torch.channels_last))
+
+        def pixels(*args):
+            inputs = make(*args)
+            x = inputs["pixel_values"]
+            seen.append(x.is_contiguous(memory_format=torch.channels_last) and x.stride()[1] == 1)
+            return inputs
+
+        return model, pixels
+
+    monkeypatch.setattr(bench_models, "build", watched)
+    argv = ["bench-models", "--models", "mobilenet", "--image", "32", "--batch", "1"]
+    assert main([*argv, "--reps", "1", "--rounds", "1", "--channels-last"]) == 0
+    assert seen == [True, True]
+
+
 def test_bench_models_ratio_summary():
     """The benchmark's closing line: a geometric mean and lowest ratio over all rows and over
     each dtype's rows on their own."""
@@ -259,6 +288,8 @@ def test_bench_models_alone(tmp_path, monkeypatch):
     assert row["alone_ratio"] == pytest.approx(row["alone_eager_s"] / row["alone_converted_s"])
     assert result["alone_by_dtype"]["all"] == pytest.approx([row["alone_ratio"]] * 2)
 
-    args = SimpleNamespace(seq=8, image=32, layers=1, reps=1, rounds=1, threads=None)
+    args = SimpleNamespace(
+        seq=8, image=32, layers=1, reps=1, rounds=1, threads=None, channels_last=False
+    )
     with pytest.raises(RuntimeError, match="the eager process for no-such-model"):
         bench_models_alone.time_alone("no-such-model", "float32", 1, args)

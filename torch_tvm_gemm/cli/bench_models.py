@@ -33,6 +33,11 @@ def register(sub) -> None:
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     p.add_argument("--seq", type=int, default=128, help="sequence length of the text models")
     p.add_argument("--image", type=int, default=224, help="image size of the CNNs")
+    p.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="the CNNs and their inputs in channels_last (eager too)",
+    )
     p.add_argument("--layers", type=int, default=4, help="layers of the text models")
     p.add_argument("--threads", type=int, default=None, help="torch and TVM threads")
     p.add_argument("--reps", type=int, default=3, help="calls per timing round")
@@ -55,14 +60,14 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build(name: str, layers: int):
+def build(name: str, layers: int, channels_last: bool = False):
     """(model in eval mode, input maker ``(batch, seq, image, dtype) -> kwargs``) for ``name``
-    (``dtype``: the CNNs' pixels, the model's dtype; token ids stay integers)."""
+    (``dtype``: the CNNs' pixels, the model's dtype; token ids stay integers). With
+    ``channels_last`` a CNN and its pixels are channels_last, the usual recipe on oneDNN."""
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
-    text = {}
     if name == "bert":
         config = transformers.BertConfig(num_hidden_layers=layers)  # hidden 768, 12 heads
         model = transformers.BertModel(config)
@@ -86,10 +91,13 @@ def build(name: str, layers: int):
         model = transformers.MobileNetV2Model(transformers.MobileNetV2Config())
     if name in ("bert", "gpt2", "llama"):
         vocab = model.config.vocab_size
-        text["make"] = lambda b, s, i, dtype: {"input_ids": torch.randint(0, vocab, (b, s))}
-    else:
-        text["make"] = lambda b, s, i, dtype: {"pixel_values": torch.randn(b, 3, i, i).to(dtype)}
-    return model.eval(), text["make"]
+        return model.eval(), lambda b, s, i, dtype: {"input_ids": torch.randint(0, vocab, (b, s))}
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+
+    def pixels(b, s, i, dtype):
+        return {"pixel_values": torch.randn(b, 3, i, i).to(dtype, memory_format=layout)}
+
+    return model.eval().to(memory_format=layout), pixels
 
 
 def first_tensor(output):
@@ -150,7 +158,7 @@ def run(args) -> int:
     for name in args.models:
         for dtype_name in args.dtype:
             dtype = getattr(torch, dtype_name)
-            eager, make = build(name, args.layers)
+            eager, make = build(name, args.layers, args.channels_last)
             eager = eager.to(dtype)
             converted = copy.deepcopy(eager)
             start = time.perf_counter()

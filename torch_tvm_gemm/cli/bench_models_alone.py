@@ -49,6 +49,8 @@ def _child(side: str, name: str, dtype_name: str, batch: int, args) -> float:
     argv += ["--reps", str(args.reps), "--rounds", str(args.rounds)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.channels_last:
+        argv += ["--channels-last"]
     done = subprocess.run(argv, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -77,7 +79,7 @@ def run_side(args, build) -> int:
     torch.manual_seed(0)
     (name,), (dtype_name,), (batch,) = args.models, args.dtype, args.batch
     dtype = getattr(torch, dtype_name)
-    model, make = build(name, args.layers)
+    model, make = build(name, args.layers, args.channels_last)
     model = model.to(dtype)
     if args.side == "converted":
         tg.convert(model)
