@@ -155,6 +155,29 @@ def test_folded_conv_bn_compiles_whole_and_sees_new_weights():
         assert_close(compiled(x), F.relu(norm(conv(x))), k=27)
 
 
+@pytest.mark.parametrize("size, folded", [((10, 9), True), ((2, 2), False)])
+def test_compiled_conv_bn_folds_only_a_weight_smaller_than_the_output(monkeypatch, size, folded):
+    """Traced, the fold is a pass over the weight at every call: where the weight has more
+    values than the conv's output (8 x 3 x 3 x 3 = 216 against 2 x 8 x 2 x 2 = 64) the BN
+    is applied to the output instead, with the activation; both give the eager answer."""
+    from torch_tvm_gemm import fold
+
+    decisions = []
+    real = fold._fold_when_traced
+    monkeypatch.setattr(
+        fold, "_fold_when_traced", lambda *a: decisions.append(real(*a)) or real(*a)
+    )
+    conv, norm = nn.Conv2d(3, 8, 3, padding=1), bn(8).eval()
+    x = randn(2, 3, *size)
+    converted = tg.convert(nn.Sequential(conv, norm, nn.SiLU()).eval())
+    compiled = torch.compile(converted, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert_close(compiled(x), F.silu(norm(conv(x))), k=27)
+        norm.running_mean.data.add_(0.5)  # (read at each call either way)
+        assert_close(compiled(x), F.silu(norm(conv(x))), k=27)
+    assert decisions and set(decisions) == {folded}
+
+
 def test_conv_bn_relu_in_training_mode_is_skipped():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), bn(8), nn.ReLU()).train()
     gm, summary = tg.fuse_conv_bias_relu(model)

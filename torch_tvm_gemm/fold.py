@@ -33,13 +33,34 @@ from .ops.conv_ops import weight_layout
 
 def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
     """The weight and bias of ``conv`` with the eval-mode ``bn`` after it folded in."""
+    scale, bias = _conv_bn_affine(conv, bn)
+    weight = conv.weight * scale.to(conv.weight.dtype).view(-1, 1, 1, 1)
+    return weight, bias.to(conv.weight.dtype)
+
+
+def _conv_bn_affine(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
+    """(scale, bias) per output channel: ``bn(conv(x)) == conv_no_bias(x) * scale + bias``."""
     var, mean = bn.running_var, bn.running_mean
     gamma = bn.weight if bn.weight is not None else torch.ones_like(var)
     beta = bn.bias if bn.bias is not None else torch.zeros_like(var)
     scale = gamma * torch.rsqrt(var + bn.eps)
     bias = conv.bias if conv.bias is not None else torch.zeros_like(mean)
-    weight = conv.weight * scale.to(conv.weight.dtype).view(-1, 1, 1, 1)
-    return weight, ((bias - mean) * scale + beta).to(conv.weight.dtype)
+    return scale, (bias - mean) * scale + beta
+
+
+def _fold_when_traced(conv: nn.Conv2d, padding: list[int], x: Tensor) -> bool:
+    """Under torch.compile, whether to fold the BN into the weight (a pass over the weight at
+    every call: the graph cannot keep a fold) rather than apply it to the conv's output (a
+    pass over the output, which inductor fuses with the activation): where the weight has no
+    more values than the output. Measured (torchvision ResNet-50, AMD EPYC, 2 threads, batch
+    1, channels_last): folding every conv, compiled converted 46.9 ms against 30.2 ms for
+    the converted model in eager."""
+    n, _, h, w = x.shape
+    out_pixels = 1
+    for size, k, s, p, d in zip((h, w), conv.kernel_size, conv.stride, padding, conv.dilation,
+                                strict=True):  # fmt: skip
+        out_pixels *= (size + 2 * p - d * (k - 1) - 1) // s + 1
+    return conv.weight.numel() <= n * out_pixels * conv.out_channels
 
 
 class TVMConv2dBN(nn.Module):
@@ -134,18 +155,17 @@ class TVMConv2dBN(nn.Module):
                 return y
             return torch_activation(self.activation)(y)
         unbatched = x.dim() == 3
-        weight, bias = self._weights(x.unsqueeze(0) if unbatched else x)
-        y = CONV_OP(
-            x.unsqueeze(0) if unbatched else x,
-            weight,
-            bias,
-            list(conv.stride),
-            self.padding,
-            list(conv.dilation),
-            conv.groups,
-            True,
-            self.activation,
-        )
+        x4 = x.unsqueeze(0) if unbatched else x
+        geometry = (list(conv.stride), self.padding, list(conv.dilation), conv.groups)
+        if torch.compiler.is_dynamo_compiling() and not _fold_when_traced(conv, self.padding, x4):
+            # (the BN and the activation after the conv op: one pointwise pass, see there)
+            scale, bias = _conv_bn_affine(conv, bn)
+            y = CONV_OP(x4, conv.weight, None, *geometry, False, "none")
+            y = y * scale.view(-1, 1, 1).to(y.dtype) + bias.view(-1, 1, 1).to(y.dtype)
+            y = torch_activation(self.activation)(y)
+        else:
+            weight, bias = self._weights(x4)
+            y = CONV_OP(x4, weight, bias, *geometry, True, self.activation)
         return y.squeeze(0) if unbatched else y
 
     def extra_repr(self) -> str:
