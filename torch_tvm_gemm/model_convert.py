@@ -58,6 +58,7 @@ from .nn import (
     tvm_module_for,
 )
 from .pooling import ChannelsLastMaxPool2d, swap_max_pools
+from .region_layout import restore_contiguous, runs_channels_last, to_channels_last
 from .trace_guard import SideEffect, unchanged_by_trace
 
 log = logging.getLogger("torch_tvm_gemm")
@@ -167,12 +168,14 @@ class _Traced:
     # The region's mode at trace time: fx fixed its `self.training` branches, and the fusion
     # dropped its eval-mode Dropouts; in the other mode the module's own forward runs.
     training: bool
+    # Whether an NCHW input runs the graph channels-last (``region_layout``)
+    channels_last: bool = False
 
     def run(self, module: nn.Module, args: tuple, kwargs: dict):
         if module.training != self.training:
             return type(module).forward(module, *args, **kwargs)
         if not kwargs and len(args) == self.n_tensors and all(isinstance(a, Tensor) for a in args):
-            return self.gm(*args)  # the common call: tensors only, defaults for the rest
+            return self._call(args)  # the common call: tensors only, defaults for the rest
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError:
@@ -186,7 +189,13 @@ class _Traced:
                 same = isinstance(value, Tensor)
             if not same:  # the trace does not cover this call
                 return type(module).forward(module, *args, **kwargs)
-        return self.gm(*bound.arguments.values())  # positional: fx renames specialised args
+        return self._call(tuple(bound.arguments.values()))  # (fx renames specialised args)
+
+    def _call(self, args: tuple):
+        converted = to_channels_last(args) if self.channels_last else None
+        if converted is None:
+            return self.gm(*args)
+        return restore_contiguous(self.gm(*converted))
 
 
 class _RegionForward:
@@ -381,7 +390,8 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
         records[prefix + target] = what
     if fused:
         inplace_residual_adds(gm)  # (its graph runs only where something was fused)
-        traced = _Traced(gm, signature, concrete, n_tensors, module.training)
+        channels_last = fqn == "" and runs_channels_last(gm)  # (the whole model only)
+        traced = _Traced(gm, signature, concrete, n_tensors, module.training, channels_last)
         module.__dict__["_tvm_traced"] = traced
         module.forward = _RegionForward(module)
         summary.regions.append(fqn or "<top>")
