@@ -14,7 +14,8 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
    ``tvm_gemm.linear`` call with that activation. A residual add (or a gating product, as
    in LLaMA's MLP) of a TVM layer's output that nothing else reads goes into that output, in
-   place (``inplace_adds``).
+   place (``inplace_adds``). A whole model traced, with convs on TVM ops, runs its graph
+   channels-last for an NCHW input (``region_layout``).
 2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
    ``Conv1D``) is swapped for its TVM module in place, parameters shared.
 3. Every ``nn.MaxPool2d`` pools on a channels_last copy (``pooling.py``: torch's NCHW max
@@ -423,7 +424,8 @@ def convert(
 ) -> nn.Module:
     """Put ``model`` on the TVM ops: conv -> (BN) -> ReLU and linear -> activation fusion where
     ``torch.fx`` can trace, every linear layer swapped everywhere (and every ``nn.MaxPool2d``
-    pooling on a channels_last copy: ``pooling.py``). Never gives up on a model.
+    pooling on a channels_last copy: ``pooling.py``). Never gives up on a model. A model
+    traced whole runs channels-last inside for an NCHW input (``region_layout``).
 
     Returns ``model`` itself, converted in place (``inplace=False``: a converted deep copy):
     same class, call signature, outputs and ``state_dict`` keys. ``linear_filter(module,

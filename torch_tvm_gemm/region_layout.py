@@ -50,14 +50,17 @@ def runs_channels_last(gm: fx.GraphModule) -> bool:
 
 
 def _wants_channels_last(t) -> bool:
-    return (
+    if not (
         isinstance(t, Tensor)
         and t.dim() == 4
         and t.device.type == "cpu"
         and t.dtype in (torch.float32, torch.bfloat16)
-        and t.is_contiguous()
-        and not t.is_contiguous(memory_format=CL)  # (one channel or one pixel: both)
-    )
+    ):
+        return False
+    try:  # (one channel or one pixel: both layouts at once)
+        return t.is_contiguous() and not t.is_contiguous(memory_format=CL)
+    except RuntimeError:  # a tensor under vmap answers no memory-format query: left as it is
+        return False
 
 
 def to_channels_last(args: tuple) -> tuple | None:
