@@ -1,7 +1,7 @@
 """A converted CNN runs channels-last inside (``region_layout``): an NCHW input is taken as a
 channels_last copy, the convs run their kernels over channels-last pixels, and the outputs
-come back as eager gives them; graphs that read strides, and regions below the whole
-model, keep the input's layout."""
+come back as eager gives them; graphs that read strides, and regions below the whole model
+with fewer than three TVM convs, keep the input's layout."""
 
 from __future__ import annotations
 
@@ -96,22 +96,32 @@ def test_a_graph_that_reads_strides_keeps_the_input_layout():
     assert_close(flat, want_flat, k=16 * 9)
 
 
-def test_regions_below_the_whole_model_keep_the_input_layout():
+def test_regions_below_the_whole_model_need_three_convs():
+    """A region below the whole model copies its inputs and outputs at each call: it runs
+    channels-last with MIN_REGION_CONVS (3) TVM convs, not with one."""
+
     class Untraceable(nn.Module):  # a branch on a value: fx cannot trace the top
         def __init__(self) -> None:
             super().__init__()
-            self.body = Net()
+            self.body = nn.Sequential(  # 3 convs + ReLU
+                *(m for c in (3, 8, 8) for m in (nn.Conv2d(c, 8, 3, padding=1), nn.ReLU())),
+                nn.BatchNorm2d(8),
+            )
+            self.tail = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())  # 1 conv
 
         def forward(self, x):
-            return self.body(x) if x.sum() > -1e9 else x
+            return self.tail(self.body(x) if x.sum() > -1e9 else x)
 
     torch.manual_seed(0)
     model, converted = _converted(Untraceable())
-    assert converted.conversion_summary.regions == ["body"]
-    assert not converted.body.__dict__["_tvm_traced"].channels_last
+    assert converted.conversion_summary.regions == ["body", "tail"]
+    assert converted.body.__dict__["_tvm_traced"].channels_last
+    assert not converted.tail.__dict__["_tvm_traced"].channels_last
     x = randn(2, 3, 12, 12)
     with torch.no_grad():
-        assert_close(converted(x), model(x), k=16 * 9 * 4)
+        got = converted(x)
+        assert got.is_contiguous()
+        assert_close(got, model(x), k=4 * 8 * 9)
 
 
 def test_gradients_and_compile_through_the_channels_last_graph():

@@ -14,8 +14,8 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
    layer whose output feeds only an activation (ReLU, GELU, tanh-GELU, SiLU) becomes one
    ``tvm_gemm.linear`` call with that activation. A residual add (or a gating product, as
    in LLaMA's MLP) of a TVM layer's output that nothing else reads goes into that output, in
-   place (``inplace_adds``). A whole model traced, with convs on TVM ops, runs its graph
-   channels-last for an NCHW input (``region_layout``).
+   place (``inplace_adds``). A region with convs on TVM ops runs its graph channels-last
+   for an NCHW input (``region_layout`` says which).
 2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
    ``Conv1D``) is swapped for its TVM module in place, parameters shared.
 3. Every ``nn.MaxPool2d`` pools on a channels_last copy (``pooling.py``: torch's NCHW max
@@ -391,7 +391,7 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
         records[prefix + target] = what
     if fused:
         inplace_residual_adds(gm)  # (its graph runs only where something was fused)
-        channels_last = fqn == "" and runs_channels_last(gm)  # (the whole model only)
+        channels_last = runs_channels_last(gm, whole_model=fqn == "")
         traced = _Traced(gm, signature, concrete, n_tensors, module.training, channels_last)
         module.__dict__["_tvm_traced"] = traced
         module.forward = _RegionForward(module)
@@ -424,8 +424,8 @@ def convert(
 ) -> nn.Module:
     """Put ``model`` on the TVM ops: conv -> (BN) -> ReLU and linear -> activation fusion where
     ``torch.fx`` can trace, every linear layer swapped everywhere (and every ``nn.MaxPool2d``
-    pooling on a channels_last copy: ``pooling.py``). Never gives up on a model. A model
-    traced whole runs channels-last inside for an NCHW input (``region_layout``).
+    pooling on a channels_last copy: ``pooling.py``). Never gives up on a model. A region
+    with convs on TVM ops runs channels-last inside for an NCHW input (``region_layout``).
 
     Returns ``model`` itself, converted in place (``inplace=False``: a converted deep copy):
     same class, call signature, outputs and ``state_dict`` keys. ``linear_filter(module,
