@@ -96,6 +96,30 @@ def test_a_graph_that_reads_strides_keeps_the_input_layout():
     assert_close(flat, want_flat, k=16 * 9)
 
 
+def _doubled_if_positive(x):  # (a branch on a value: fx cannot trace it)
+    return x * 2 if x.sum() > 0 else x
+
+
+torch.fx.wrap("_doubled_if_positive")  # (kept as one call in traced graphs, as users do)
+
+
+def test_a_graph_calling_untraced_code_keeps_the_input_layout():
+    """A helper fx keeps as one call is code nothing checked, which may read strides."""
+
+    class Helped(Net):
+        def forward(self, x):
+            return super().forward(_doubled_if_positive(x))
+
+    torch.manual_seed(0)
+    model, converted = _converted(Helped())
+    traced = converted.__dict__["_tvm_traced"]
+    assert _doubled_if_positive in [n.target for n in traced.gm.graph.nodes]
+    assert not traced.channels_last
+    x = randn(2, 3, 12, 12)
+    with torch.no_grad():
+        assert_close(converted(x), model(x), k=16 * 9 * 4)
+
+
 def test_regions_below_the_whole_model_need_three_convs():
     """A region below the whole model copies its inputs and outputs at each call: it runs
     channels-last with MIN_REGION_CONVS (3) TVM convs, not with one."""

@@ -18,7 +18,7 @@ inside -> channels-last inside), transformers' ResNet-50, five regions of 1 to 1
 from __future__ import annotations
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 from torch.utils import _pytree
 
 from .conv_module import CONV_OP, TVMConv2dBiasReLU
@@ -26,14 +26,17 @@ from .fold import TVMConv2dBN
 
 CL = torch.channels_last
 
-# Tensor methods (and functions) whose result depends on the strides, not only the values:
-# a graph calling one keeps the layout it is given.
+# Tensor methods (and functions) that depend on the strides, not only the values (a view
+# of a shape the strides cannot give raises): a graph calling one keeps the layout it is
+# given. So does a graph calling code fx did not trace: a helper kept as one call (see
+# model_convert), an ``nn.Unflatten``.
 _STRIDE_BOUND = frozenset(
     {
-        "view", "view_as", "stride", "data_ptr", "is_contiguous", "as_strided", "storage",
-        "untyped_storage", "storage_offset", "numpy", "set_", "resize_", "unfold",
+        "view", "view_as", "unflatten", "stride", "data_ptr", "is_contiguous", "as_strided",
+        "storage", "untyped_storage", "storage_offset", "numpy", "set_", "resize_",
     }
 )  # fmt: skip
+_KNOWN_FUNCTION_MODULES = ("torch", "torch_tvm_gemm", "_operator", "operator", "builtins", "math")
 
 
 MIN_REGION_CONVS = 3  # TVM convs in a region below the whole model (see the module doc)
@@ -46,9 +49,15 @@ def runs_channels_last(gm: fx.GraphModule, whole_model: bool) -> bool:
     convs = 0
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            convs += isinstance(modules.get(node.target), TVMConv2dBN | TVMConv2dBiasReLU)
+            module = modules.get(node.target)
+            convs += isinstance(module, TVMConv2dBN | TVMConv2dBiasReLU)
+            if isinstance(module, nn.Unflatten):
+                return False
         elif node.op == "call_function":
             convs += node.target is CONV_OP
+            home = (getattr(node.target, "__module__", None) or "").split(".")[0]
+            if home not in _KNOWN_FUNCTION_MODULES:
+                return False
             if getattr(node.target, "__name__", None) in _STRIDE_BOUND:
                 return False
         elif node.op == "call_method" and node.target in _STRIDE_BOUND:

@@ -199,9 +199,9 @@ def weight_layout(x: Tensor, weight: Tensor, stride, padding, dilation, groups: 
     pixels (route "nhwc"), which permutes any other weight at every call, or where a
     channels_last weight makes it a GEMM over patches (``reads_patches``), or where it runs
     the blocked kernel over the pixels of a channels_last x (``channels_last_blocked``); else
-    contiguous. For a module that keeps a weight it derives (the conv + BN fold, ``fold.py``): ResNet-50's
-    512-channel 3x3 weights took 0.8-2 ms a call to permute in bf16 (AMD EPYC, batch 1), where
-    the conv itself takes ~0.5 ms."""
+    contiguous. For a module that keeps a weight it derives (the conv + BN fold,
+    ``fold.py``): ResNet-50's 512-channel 3x3 weights took 0.8-2 ms a call to permute in bf16
+    (AMD EPYC, batch 1), where the conv itself takes ~0.5 ms."""
     if x.device.type != "cpu" or x.dim() != 4 or weight.dim() != 4:
         return torch.contiguous_format
     try:
@@ -295,8 +295,9 @@ def _nhwc_spec(spec: Conv2dSpec, batch: int) -> Conv2dSpec:
 def _conv_nhwc(x: Tensor, weight: Tensor, bias: Tensor | None, spec, shape) -> Tensor:
     """A conv of a channels_last ``x`` by a kernel over its channels-last pixels: the
     depthwise one (``schedules/cpu_depthwise_nhwc.py``, the weight as (R, S, C): a copy of
-    R*S*C values) or the blocked one (``channels_last_blocked``, the weight in torch's
-    layout, packed by the kernel). x is read as it lies, the output written channels-last.
+    R*S*C values) or the blocked one (``channels_last_blocked``, the weight as (K, R, S,
+    C/groups): a view of a channels_last weight). x is read as it lies, the output written
+    channels-last.
     Planning records the kernel."""
     n, k, out_h, out_w = shape
     nhwc = _nhwc_spec(spec, n)
