@@ -120,6 +120,25 @@ def test_a_graph_calling_untraced_code_keeps_the_input_layout():
         assert_close(converted(x), model(x), k=16 * 9 * 4)
 
 
+def test_a_graph_writing_into_its_input_keeps_the_input_layout():
+    """Eager writes into the caller's tensor; a channels_last copy would take the write."""
+
+    class Normalizing(Net):
+        def forward(self, x):
+            x[:, :1].mul_(2.0)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model, converted = _converted(Normalizing())
+    assert not converted.__dict__["_tvm_traced"].channels_last
+    x = randn(2, 3, 12, 12)
+    x_eager = x.clone()
+    with torch.no_grad():
+        got, want = converted(x), model(x_eager)
+    assert torch.equal(x, x_eager)  # (written into, as eager writes)
+    assert_close(got, want, k=16 * 9 * 4)
+
+
 def test_regions_below_the_whole_model_need_three_convs():
     """A region below the whole model copies its inputs and outputs at each call: it runs
     channels-last with MIN_REGION_CONVS (3) TVM convs, not with one."""

@@ -145,6 +145,24 @@ class _Graph:
         return value
 
 
+def is_impure(node: fx.Node) -> bool:
+    """fx's purity, and an in-place op whose result nothing reads (``x[:, :1].mul_(2)``, an
+    ``nn.ReLU(inplace=True)`` called for its write), which fx's dead-code pass would drop:
+    eager's write into its argument must stay. (For ``eliminate_dead_code``; the passes
+    erase the nodes they replace themselves.)"""
+    if node.is_impure():
+        return True
+    if node.op == "call_module":
+        return (
+            getattr(node.graph.owning_module.get_submodule(node.target), "inplace", False) is True
+        )
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    return node.op in ("call_method", "call_function") and (
+        in_place or node.kwargs.get("inplace") is True
+    )
+
+
 def _sole_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -558,7 +576,7 @@ def fuse_convs_in_graph(
                 records[target] = f"fused: {line}"
         elif target is not None:
             records[target] = "left alone: no BN or ReLU follows it (a plain conv stays on torch)"
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
     gm.delete_all_unused_submodules()
     gm.recompile()
     return summary

@@ -28,6 +28,7 @@ from torch import Tensor, fx, nn
 
 from .conv_module import TVMConv2dBiasReLU
 from .fold import TVMConv2dBN
+from .fusion import is_impure
 from .nn import TVMConv1D, TVMLinear
 
 # Modules whose output is a tensor allocated by the op for this call (never a view of an
@@ -127,7 +128,7 @@ def inplace_residual_adds(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         rewritten += 1
     if rewritten:
-        gm.graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code(is_impure_node=is_impure)
         gm.delete_all_unused_submodules()
         gm.recompile()
     return rewritten

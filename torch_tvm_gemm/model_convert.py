@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from .fold import TVMConv2dBN
-from .fusion import FusionTracer, TVMConv2dBiasReLU, fuse_convs_in_graph
+from .fusion import FusionTracer, TVMConv2dBiasReLU, fuse_convs_in_graph, is_impure
 from .inplace_adds import inplace_residual_adds
 from .linear_subclasses import note_subclasses
 from .model_precompile import PrecompileSummary, precompile, split_example_inputs
@@ -353,7 +353,7 @@ def _fuse_linears(gm: fx.GraphModule, allowed: Callable[[str], bool], records: d
             fused += 1
         elif calls[node.target] != 1:
             records[node.target] = "swapped (called more than once: activation not fused)"
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
     gm.delete_all_unused_submodules()
     gm.recompile()
     return fused

@@ -41,11 +41,43 @@ _KNOWN_FUNCTION_MODULES = ("torch", "torch_tvm_gemm", "_operator", "operator", "
 
 MIN_REGION_CONVS = 3  # TVM convs in a region below the whole model (see the module doc)
 
+# Ops whose result may share an input's memory: an in-place op on one would write into the
+# caller's tensor in eager, and into the channels_last copy here.
+_ALIASING = frozenset(
+    {
+        "getitem", "narrow", "select", "permute", "transpose", "squeeze", "unsqueeze",
+        "expand", "reshape", "flatten", "contiguous", "detach", "view", "view_as",
+    }
+)  # fmt: skip
+
+
+def _writes_an_input(gm: fx.GraphModule, modules: dict) -> bool:
+    """Whether the graph writes in place into one of its inputs (or a view of one)."""
+    aliases = {node for node in gm.graph.nodes if node.op == "placeholder"}
+    for node in gm.graph.nodes:  # (in graph order: a node's arguments come before it)
+        if not node.args or node.args[0] not in aliases:
+            continue
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        module = modules.get(node.target) if node.op == "call_module" else None
+        in_place = (
+            (isinstance(name, str) and name.endswith("_") and not name.startswith("_"))
+            or node.kwargs.get("inplace") is True
+            or getattr(module, "inplace", False) is True
+        )
+        if in_place:
+            return True
+        if name in _ALIASING:
+            aliases.add(node)
+    return False
+
 
 def runs_channels_last(gm: fx.GraphModule, whole_model: bool) -> bool:
     """Whether the fused graph ``gm`` may run channels-last: it calls nothing that reads
-    strides, and a TVM conv (MIN_REGION_CONVS of them for a region below the whole model)."""
+    strides, writes into no input, and calls a TVM conv (MIN_REGION_CONVS of them for a
+    region below the whole model)."""
     modules = dict(gm.named_modules())
+    if _writes_an_input(gm, modules):
+        return False
     convs = 0
     for node in gm.graph.nodes:
         if node.op == "call_module":
