@@ -55,7 +55,7 @@ def _writes_an_input(gm: fx.GraphModule, modules: dict) -> bool:
     """Whether the graph writes in place into one of its inputs (or a view of one)."""
     aliases = {node for node in gm.graph.nodes if node.op == "placeholder"}
     for node in gm.graph.nodes:  # (in graph order: a node's arguments come before it)
-        if not node.args or node.args[0] not in aliases:
+        if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0] not in aliases:
             continue
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         module = modules.get(node.target) if node.op == "call_module" else None
