@@ -145,22 +145,25 @@ class _Graph:
         return value
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument: an in-place method or function
+    (``mul_``), ``inplace=True``, or a module built with ``inplace=True``."""
+    if node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(node.target)
+        return getattr(module, "inplace", False) is True
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    return in_place or node.kwargs.get("inplace") is True
+
+
 def is_impure(node: fx.Node) -> bool:
     """fx's purity, and an in-place op whose result nothing reads (``x[:, :1].mul_(2)``, an
     ``nn.ReLU(inplace=True)`` called for its write), which fx's dead-code pass would drop:
     eager's write into its argument must stay. (For ``eliminate_dead_code``; the passes
     erase the nodes they replace themselves.)"""
-    if node.is_impure():
-        return True
-    if node.op == "call_module":
-        return (
-            getattr(node.graph.owning_module.get_submodule(node.target), "inplace", False) is True
-        )
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    in_place = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
-    return node.op in ("call_method", "call_function") and (
-        in_place or node.kwargs.get("inplace") is True
-    )
+    return node.is_impure() or writes_in_place(node)
 
 
 def _sole_user(node: fx.Node) -> fx.Node | None:

@@ -23,6 +23,7 @@ from torch.utils import _pytree
 
 from .conv_module import CONV_OP, TVMConv2dBiasReLU
 from .fold import TVMConv2dBN
+from .fusion import writes_in_place
 
 CL = torch.channels_last
 
@@ -51,21 +52,15 @@ _ALIASING = frozenset(
 )  # fmt: skip
 
 
-def _writes_an_input(gm: fx.GraphModule, modules: dict) -> bool:
+def _writes_an_input(gm: fx.GraphModule) -> bool:
     """Whether the graph writes in place into one of its inputs (or a view of one)."""
     aliases = {node for node in gm.graph.nodes if node.op == "placeholder"}
     for node in gm.graph.nodes:  # (in graph order: a node's arguments come before it)
         if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0] not in aliases:
             continue
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        module = modules.get(node.target) if node.op == "call_module" else None
-        in_place = (
-            (isinstance(name, str) and name.endswith("_") and not name.startswith("_"))
-            or node.kwargs.get("inplace") is True
-            or getattr(module, "inplace", False) is True
-        )
-        if in_place:
+        if writes_in_place(node):
             return True
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if name in _ALIASING:
             aliases.add(node)
     return False
@@ -75,9 +70,9 @@ def runs_channels_last(gm: fx.GraphModule, whole_model: bool) -> bool:
     """Whether the fused graph ``gm`` may run channels-last: it calls nothing that reads
     strides, writes into no input, and calls a TVM conv (MIN_REGION_CONVS of them for a
     region below the whole model)."""
-    modules = dict(gm.named_modules())
-    if _writes_an_input(gm, modules):
+    if _writes_an_input(gm):
         return False
+    modules = dict(gm.named_modules())
     convs = 0
     for node in gm.graph.nodes:
         if node.op == "call_module":
