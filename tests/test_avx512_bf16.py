@@ -60,12 +60,17 @@ def test_which_specs_take_it():
     assert cpu_avx512_bf16.applies(linear, ZEN5)
     assert cpu_avx512_bf16.applies(gemm_spec("bfloat16", 512, 50, 64, "kn"), ZEN5)
     assert cpu_avx512_bf16.applies(dataclasses.replace(linear, bias_axis="m"), ZEN5)
-    # Not: another dtype, an odd or symbolic K (A is read in pairs), a batch, the small-M
+    # a product of two activations (K symbolic, any K), batched too (attention's products)
+    for layout in ("kn", "nk"):
+        matmul = gemm_spec("bfloat16", 512, 50, 63, layout, static_k=False)
+        assert cpu_avx512_bf16.applies(matmul, ZEN5)
+    assert cpu_avx512_bf16.applies(GemmSpec("bfloat16", 64, None, "kn", batched=True), ZEN5)
+    assert cpu_avx512_bf16.applies(GemmSpec("bfloat16", 128, 64, "nk", batched=True), ZEN5)
+    # Not: another dtype, an odd static K (a weight's rows are read in pairs), the small-M
     # variants, a CPU without the extension.
     assert not cpu_avx512_bf16.applies(dataclasses.replace(linear, dtype="float32"), ZEN5)
     assert not cpu_avx512_bf16.applies(dataclasses.replace(linear, k=767), ZEN5)
-    assert not cpu_avx512_bf16.applies(dataclasses.replace(linear, k=None), ZEN5)
-    assert not cpu_avx512_bf16.applies(GemmSpec("bfloat16", 64, 64, "kn", batched=True), ZEN5)
+    assert not cpu_avx512_bf16.applies(GemmSpec("bfloat16", 128, 63, "nk", batched=True), ZEN5)
     assert not cpu_avx512_bf16.applies(gemm_spec("bfloat16", 3, 768, 768, "nk"), ZEN5)
     plain = dataclasses.replace(ZEN5, features=ZEN5.features - {"avx512_bf16"})
     assert not cpu_avx512_bf16.applies(linear, plain)
@@ -89,25 +94,37 @@ def test_small_m_takes_it_from_5_rows():
         assert cpu.gemm_variant(17, 768, 768, "nk", dtype="float32") == "dot"
 
 
-def test_compiles_to_dot_products_in_registers():
+@pytest.mark.parametrize(
+    "spec",
+    [
+        gemm_spec("bfloat16", 128, 64, 96, "nk", bias=True, activation="relu"),
+        gemm_spec("bfloat16", 128, 64, 96, "kn", static_k=False),  # (its even-K loop first)
+    ],
+    ids=["linear", "matmul"],
+)
+def test_compiles_to_dot_products_in_registers(spec):
     """Cross-compiled for Zen 4 (no AVX512-BF16 needed to build): vdpbf16ps, with the sums in
-    registers: no vector store between the K loop's first and last dot product (with the
-    sums in TVM's "local" scope, a heap workspace, one followed every dot product)."""
+    registers: no vector store in a loop of the K steps (a block that jumps back to its own
+    label and holds a row block's dot products; with the sums in TVM's "local" scope, a heap
+    workspace, a store followed every dot product). (Outside the loops, e.g. an unrolled
+    loop's last step, LLVM may keep broadcasts on the stack.)"""
     import re
 
     import tvm
 
-    spec = gemm_spec("bfloat16", 128, 64, 96, "nk", bias=True, activation="relu")
     mod = cpu_avx512_bf16.schedule_gemm_dp(spec)
     target = {"kind": "llvm", "mcpu": "znver4", "mtriple": "x86_64-linux-gnu"}
-    lines = tvm.compile(mod, target=tvm.target.Target(target)).mod.inspect_source("asm")
-    lines = lines.splitlines()
-    dots = [i for i, line in enumerate(lines) if "vdpbf16ps" in line]
-    assert len(dots) >= 2 * cpu_avx512_bf16.MR
-    stores = [
-        line for line in lines[dots[0] : dots[-1]] if re.search(r"vmov\w+\t%zmm\d+, .*\(", line)
+    asm = tvm.compile(mod, target=tvm.target.Target(target)).mod.inspect_source("asm")
+    loops = [
+        body
+        for label, body in re.findall(r"^(\.LBB\w+):\n(.*?)(?=^\S+:)", asm, re.M | re.S)
+        if re.search(rf"\tj\w+\t{re.escape(label)}$", body, re.M)
+        and body.count("vdpbf16ps") >= 2 * cpu_avx512_bf16.MR
     ]
-    assert not stores, stores[:3]
+    assert loops
+    for body in loops:
+        stores = re.findall(r"vmov\w+\t%zmm\d+, .*\(", body)
+        assert not stores, stores[:3]
 
 
 @needs_bf16_dot
@@ -129,6 +146,52 @@ def test_matmul_layout_and_epilogues(act, n, k):
     spec = gemm_spec("bfloat16", 45, n, k, "kn", activation=act)
     a, b = randn(45, k, dtype=BF16), randn(k, n, dtype=BF16)
     assert_close(run(spec, a, b), reference(a, b, None, spec), k)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m", [1, 7, 13, 20, 127])
+@pytest.mark.parametrize(("n", "layout"), [(32, "kn"), (50, "kn"), (50, "nk")])
+def test_matmul_of_activations_every_k(m, n, layout):
+    """One kernel (K symbolic) for every K: odd ones (rows start off 32-bit words: A's pairs
+    put together from halves, the last value alone; B (N, K) packed a value at a time), one
+    value, off the packs' 32-value steps, past a chunk of 256 pairs (K = 513: the last chunk
+    only the odd value)."""
+    spec = gemm_spec("bfloat16", m, n, 64, layout, static_k=False)
+    assert spec.k is None
+    for k in (1, 2, 33, 64, 513, 514, 1031):
+        a = randn(m, k, dtype=BF16)
+        b = randn(*((n, k) if layout == "nk" else (k, n)), dtype=BF16)
+        assert_close(run(spec, a, b), reference(a, b, None, spec), k)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(("layout", "k"), [("nk", 64), ("kn", 64), ("kn", 33), ("kn", 600)])
+def test_batched_matmul(layout, k):
+    """Attention's products as one batched kernel: ``Q @ K^T`` (B (batch, N, K), a static
+    even K) and ``P @ V`` (B (batch, K, N), K symbolic), each entry its own matrices."""
+    spec = GemmSpec("bfloat16", 40, k if layout == "nk" else None, layout, batched=True)
+    a = randn(3, 29, k, dtype=BF16)
+    b = randn(3, *((40, k) if layout == "nk" else (k, 40)), dtype=BF16)
+    out = torch.empty(3, 29, 40, dtype=BF16)
+    kernel(spec)(a, b, out)
+    for i in range(3):
+        assert_close(out[i], reference(a[i], b[i], None, spec), k)
+
+
+@needs_bf16_dot
+def test_odd_k_nan_and_inf_stay_in_their_rows():
+    """With an odd K a row's last value pairs with zero, not with the next row's first: an
+    inf there times the pack's zero padding would be NaN in the row before."""
+    spec = gemm_spec("bfloat16", 14, 64, 35, "kn", static_k=False)
+    a, b = randn(14, 35, dtype=BF16), randn(35, 64, dtype=BF16)
+    a[3, 5] = float("nan")
+    a[7, 0] = float("inf")  # row 6's last value is next to it
+    a[13, 34] = float("inf")  # the last value of the last row
+    y, expected = run(spec, a, b), reference(a, b, None, spec)
+    torch.testing.assert_close(torch.isnan(y), torch.isnan(expected.to(BF16)))
+    assert torch.isnan(y[3]).all() and not torch.isnan(y[6]).any()
+    finite = torch.isfinite(expected)
+    assert_close(y[finite], expected[finite], 35)
 
 
 @needs_bf16_dot
@@ -240,3 +303,20 @@ def test_conv_through_the_op_channels_last_too():
         )
         assert y.is_contiguous(memory_format=memory_format)
         assert_close(y, expected, 32 * 9)
+
+
+@pytest.mark.skipif(
+    not cpu_avx512_bf16.available(CPU),
+    reason="the ops take this kernel on a CPU with AVX512-BF16 and no AMX",
+)
+def test_matmul_op_takes_it_against_torch_bf16():
+    """The op's bf16 matmul of two activations, 2-D and batched (a broadcast batch too), is
+    torch's bf16 matmul to the rounding of the last bit (the sums in fp32 on both sides)."""
+    a2, b2 = randn(200, 301, dtype=BF16), randn(301, 96, dtype=BF16)
+    assert cpu.gemm_variant(200, 96, 301, "kn", dtype="bfloat16", static_k=False) == "gemm"
+    q, k = randn(24, 128, 64, dtype=BF16), randn(24, 128, 64, dtype=BF16)
+    p, v = randn(1, 128, 128, dtype=BF16), randn(24, 128, 64, dtype=BF16)
+    for a, b in [(a2, b2), (q, k.transpose(1, 2)), (p, v)]:
+        ours, theirs = tg.matmul(a, b).float(), torch.matmul(a, b).float()
+        ulp = theirs.abs().clamp_min(1e-30) * 2.0**-7
+        assert ((ours - theirs).abs() <= ulp).float().mean() > 0.99

@@ -35,7 +35,7 @@ from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 from . import cpu_amx
 
-SCHEDULE_VERSION = 8
+SCHEDULE_VERSION = 9  # (9: matmul of activations and batched matmul here too)
 
 PANEL = cpu_amx.BLOCK  # columns of B per task: 2 vectors of 16 fp32 lanes
 MR = 12  # rows of A per register tile: 24 accumulators + 2 panel vectors + 1 broadcast of 32
@@ -60,12 +60,13 @@ attributes #0 = {{ alwaysinline nounwind readnone "target-features"="+avx512bf16
 
 
 def applies(spec: GemmSpec, cpu: CpuInfo) -> bool:
-    """Whether ``spec`` runs here: a 2-D bf16 GEMM of the packed variant ("gemm") with a
-    static, even K (A is read in 32-bit pairs), on a CPU with AVX512-BF16 and no usable AMX
-    tiles (those run ``cpu_amx``)."""
+    """Whether ``spec`` runs here: a bf16 GEMM of the packed variant ("gemm"), on a CPU with
+    AVX512-BF16 and no usable AMX tiles (those run ``cpu_amx``). A static K (a Linear's, or
+    attention's ``Q @ K^T`` batched) must be even: a weight's rows are read in 32-bit pairs;
+    a product of two activations (K symbolic) takes any K (``_matmul_func``)."""
     if spec.dtype != "bfloat16" or spec.device != "cpu" or spec.variant != "gemm":
         return False
-    if spec.batched or spec.k is None or spec.k % 2:
+    if spec.k is not None and spec.k % 2:
         return False
     return available(cpu)
 
@@ -79,6 +80,9 @@ def available(cpu: CpuInfo) -> bool:
 def schedule_gemm_dp(spec: GemmSpec):
     """The IRModule ``main(A, B[, bias], out)`` of ``spec`` on ``vdpbf16ps``."""
     import tvm
+
+    if spec.k is None or spec.batched:
+        return tvm.IRModule({"main": _matmul_func(spec)})
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -303,3 +307,184 @@ def _block_epilogue(T, tirx, M, N: int, sums, tile, block, panel, finish) -> Non
                 else:
                     with T.serial(i64(0), tirx.min(i64(PANEL), N - panel * PANEL)) as j:
                         finish(row, panel * PANEL + j, sums[tile + r * PANEL + j])
+
+
+def _matmul_func(spec: GemmSpec):
+    """``main(A, B[, bias], out)`` of a product of two activations: K symbolic (any K) and/or
+    a batch of matrices (A (batch, M, K), B (batch, K, N), or (batch, N, K) with a static
+    even K, out (batch, M, N)). The loop of ``panel_gemm`` without what a static K
+    lets it fix in advance: parallel over (batch entry, panel of 32 columns), each task packs
+    its panel once, then runs every block of A's rows over it a chunk of CHUNK_PAIRS pairs at
+    a time, the sums of every block kept between chunks. Where K is odd, A's rows do not start
+    on 32-bit words: its pairs are put together from two 16-bit loads (the last value with a
+    zero), in a second copy of the product loop, and a B (N, K) is packed a value at a time."""
+    import tvm
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    nk, N = spec.b_layout == "nk", spec.n
+    with IRBuilder() as ib:
+        with T.prim_func():
+            handles = cpu_amx.kernel_args(T, ("A", "B"), spec.bias)
+            M = tirx.Var("M", "int64")
+            K = i64(spec.k) if spec.k is not None else tirx.Var("K", "int64")
+            batch = tirx.Var("batch", "int64") if spec.batched else i64(1)
+            lead = (batch,) if spec.batched else ()
+            A = T.match_buffer(handles[0], (*lead, M, K), "bfloat16")
+            B = T.match_buffer(handles[1], (*lead, *((N, K) if nk else (K, N))), "bfloat16")
+            bias_len = M if spec.bias_axis == "m" else N
+            bias = T.match_buffer(handles[2], (bias_len,), "bfloat16") if spec.bias else None
+            out = T.match_buffer(handles[-1], (*lead, M, N), "bfloat16")
+            a_halves = T.decl_buffer((batch * M * K,), "uint16", data=A.data)
+            a_words = T.decl_buffer((batch * M * K // 2,), "int32", data=A.data)
+            panels = -(-N // PANEL)
+            steps = (K + cpu_amx.K_STEP - 1) // cpu_amx.K_STEP  # the packs pad K to whole steps
+            panel_words = steps * cpu_amx.TILE_ROWS * PANEL
+            half_k = K // 2
+            chunks = (half_k + K % 2 + CHUNK_PAIRS - 1) // CHUNK_PAIRS  # an odd K's last value too
+            # sums kept between chunks, a tile a block; one tile reused where K is one chunk
+            one_chunk = spec.k is not None and spec.k // 2 <= CHUNK_PAIRS
+            blocks = (M + MR - 1) // MR
+            tiles = i64(1) if one_chunk else tirx.Select(chunks > 1, blocks, i64(1))
+            with T.attr(i64(0), "pragma_import_llvm", tvm.ir.StringImm(DOT_LLVM_IR)):
+                with T.parallel(i64(0), batch * panels) as task:
+                    entry, panel = task // panels, task % panels
+                    b_pairs = T.alloc_buffer((panel_words,), "float32", align=64)
+                    b_halves = T.decl_buffer((K * N,), "uint16", data=B.data,
+                                             elem_offset=entry * (K * N))  # fmt: skip
+                    pairs16 = T.decl_buffer((panel_words * 2,), "uint16", data=b_pairs.data)
+                    if nk:
+                        pairs = N * half_k
+                        b_words = T.decl_buffer((pairs,), "float32", data=B.data,
+                                                elem_offset=entry * pairs)  # fmt: skip
+                        pack = functools.partial(cpu_amx.pack_nk, T, tirx, b_words, b_pairs,
+                                                 i64(0), panel, K, N, steps)  # fmt: skip
+                        if spec.k is not None:  # (applies: a static K is even)
+                            pack()
+                        else:
+                            with T.If(K % 2 == 0):
+                                with T.Then():
+                                    pack()
+                                with T.Else():
+                                    _pack_nk_odd(T, tirx, b_halves, pairs16, panel, K, N, steps)
+                    else:
+                        cpu_amx.pack_kn(T, tirx, b_halves, pairs16, panel_words, panel, 1,
+                                        lambda task, g: task, K, N, steps)  # fmt: skip
+                    panel_pairs = T.decl_buffer((panel_words,), "int32", data=b_pairs.data)
+                    acc = [T.alloc_buffer((16,), "float32", align=64) for _ in range(2 * MR)]
+                    sums = T.alloc_buffer((tiles * MR * PANEL,), "float32", align=64)
+
+                    def finish(row, col, value, entry=entry):
+                        if spec.bias:
+                            at = row if spec.bias_axis == "m" else col
+                            value = value + bias[at].astype("float32")
+                        value = apply_activation(value, spec.activation, "float32", "cpu")
+                        at = [entry, row, col] if spec.batched else [row, col]
+                        T.buffer_store(out, value.astype("bfloat16"), at)
+
+                    with T.serial(i64(0), i64(1) if one_chunk else chunks) as chunk:
+                        with T.serial(i64(0), blocks) as block:
+                            tile = tirx.Select(tiles > 1, block * (MR * PANEL), i64(0))
+                            # rows past M read row M - 1; their sums are not stored
+                            rows = [entry * M + tirx.min(block * MR + r, M - 1) for r in range(MR)]
+                            _load_sums(T, tirx, acc, sums, tile, None if one_chunk else chunk)
+                            first = chunk * CHUNK_PAIRS
+                            last = tirx.min(first + CHUNK_PAIRS, half_k)
+                            product = functools.partial(_pairs_product, T, tirx, first=first,
+                                                        last=last, panel_pairs=panel_pairs,
+                                                        acc=acc)  # fmt: skip
+                            last_chunk = chunk == chunks - 1
+                            _rows_product(T, K, spec.k is not None, a_words, a_halves, rows,
+                                          M - block * MR, product, last_chunk)  # fmt: skip
+                            _store_sums(T, tirx, acc, sums, tile)
+                            with T.If(last_chunk):
+                                with T.Then():
+                                    _block_epilogue(T, tirx, M, N, sums, tile, block, panel,
+                                                    finish)  # fmt: skip
+    return ib.get()
+
+
+def _pack_nk_odd(T, tirx, b_halves, pairs16, panel, K, N: int, steps) -> None:
+    """``cpu_amx.pack_nk`` for a B (N, K) of an odd K, whose rows do not start on 32-bit
+    words: the panel's pairs a 16-bit value at a time (an odd K's last value with zero, then
+    the zero padding; a partial last panel reads column N - 1)."""
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    with T.serial(i64(0), steps * cpu_amx.TILE_ROWS) as k2:
+        with T.serial(i64(0), i64(2 * PANEL)) as e:
+            k, n = 2 * k2 + e % 2, tirx.min(panel * PANEL + e // 2, N - 1)
+            value = tirx.if_then_else(
+                k < K, b_halves[n * K + tirx.min(k, K - 1)], tirx.const(0, "uint16")
+            )
+            T.buffer_store(pairs16, value, [k2 * (2 * PANEL) + e])
+
+
+def _rows_product(T, K, even, a_words, a_halves, rows, left, product, last_chunk) -> None:
+    """A block's ``product`` over the rows of A at ``rows`` (``left`` of them real): its
+    pairs read as 32-bit words where K is even (``even``: known to be), put together from
+    16-bit halves where it is odd (a branch at run time for a symbolic K)."""
+
+    def even_k():
+        words = lambda base, k2: a_words[base + k2]  # noqa: E731
+        bases = [r * K // 2 for r in rows]
+        _by_rows_left(T, left, bases, functools.partial(product, word=words))
+
+    def odd_k():
+        word, last_word = _odd_pairs(a_halves)
+        odd = functools.partial(product, word=word, tail_word=last_word, tail=last_chunk)
+        _by_rows_left(T, left, [r * K for r in rows], odd)
+
+    if even:
+        even_k()
+        return
+    with T.If(K % 2 == 0):
+        with T.Then():
+            even_k()
+        with T.Else():
+            odd_k()
+
+
+def _odd_pairs(a_halves):
+    """(``word(base, k2)``, ``last_word(base, k2)``) for a row of A at 16-bit word ``base``
+    of an odd K (rows start anywhere): pair ``k2`` from two 16-bit loads; the row's last
+    value with zero (the pack's pair for it is (B[K - 1], 0): a value of the next row would
+    not cancel a NaN)."""
+
+    def word(base, k2):
+        return a_halves[base + 2 * k2].astype("int32") | (
+            a_halves[base + 2 * k2 + 1].astype("int32") << 16
+        )
+
+    def last_word(base, k2):
+        return a_halves[base + 2 * k2].astype("int32")
+
+    return word, last_word
+
+
+def _pairs_product(T, tirx, bases, word, first, last, panel_pairs, acc, tail=None,
+                   tail_word=None):  # fmt: skip
+    """``acc`` += the len(bases) x 32 product of A's rows (``word(base, k2)``: the rows'
+    pair ``k2``) and the packed panel over pairs ``first`` to ``last``, and where ``tail``
+    holds, pair ``last`` too, read by ``tail_word`` (an odd K's last value)."""
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    vec = 16
+    lanes = [tirx.Ramp(i64(0), i64(1), vec)]
+
+    def step(k2, word):
+        halves = [panel_pairs.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
+        for r, base in enumerate(bases):
+            a = tirx.Broadcast(word(base, k2), vec)
+            for h, b in enumerate(halves):
+                buffer = acc[2 * r + h]
+                value = tirx.call_pure_extern(
+                    f"float32x{vec}", DOT_FUNCTION, buffer.vload([i64(0)], f"float32x{vec}"), a, b
+                )
+                T.buffer_store(buffer, value, lanes)
+
+    with T.serial(first, last) as k2:
+        step(k2, word)
+    if tail is not None:
+        with T.If(tail):
+            with T.Then():
+                step(last, tail_word)
