@@ -84,6 +84,9 @@ struct Config {
   // ... but a bfloat16 one with a static even K up to this M (schedules/cpu.py
   // bf16_dot_max_m); -1: dot_max_m.
   int64_t bf16_dot_max_m = -1;
+  // "gemv" up to gemv_max_m rows, but a bfloat16 "kn" one with a symbolic or even K up to this M
+  // (schedules/cpu.py bf16_gemv_max_m); -1: gemv_max_m.
+  int64_t bf16_gemv_max_m = -1;
   // bfloat16 "nk", static even K: "dot" up to max_m rows while x (M x K x 2 bytes) is at
   // most max_x_bytes (schedules/cpu.py amx_dot_limits); max_m 0: never past dot_max_m.
   struct {
@@ -236,7 +239,11 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
       n % ksplit.n_multiple == 0) {
     return 5;
   }
-  return m <= g_config.gemv_max_m && big_b ? 1 : 0;
+  const bool bf16_packed = bf16 && (!static_k || k % 2 == 0);
+  const int64_t gemv_max_m = !b_nk && bf16_packed && g_config.bf16_gemv_max_m >= 0
+                                 ? g_config.bf16_gemv_max_m
+                                 : g_config.gemv_max_m;
+  return m <= gemv_max_m && big_b ? 1 : 0;
 }
 
 struct KernelKey {
@@ -447,13 +454,13 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   return result;
 }
 
-// Mirrors gemm_ops._matmul_2d: a transposed contiguous b (b = w.T, as in a Linear backward) is read
-// in place as "nk".
+// Mirrors gemm_ops._matmul_2d: a transposed contiguous b (x @ w.T) is read in place as "nk", K
+// part of the kernel as in a Linear (that file says why).
 at::Tensor matmul_2d(const at::Tensor& a, const at::Tensor& b,
                      std::optional<at::Tensor> out = std::nullopt) {
   const int none = g_config.none_activation;
   if (!b.is_contiguous() && b.t().is_contiguous()) {
-    return gemm(a, b.t(), /*b_nk=*/true, std::nullopt, none, /*static_k=*/false, std::move(out));
+    return gemm(a, b.t(), /*b_nk=*/true, std::nullopt, none, /*static_k=*/true, std::move(out));
   }
   return gemm(a, b, /*b_nk=*/false, std::nullopt, none, /*static_k=*/false, std::move(out));
 }
@@ -944,7 +951,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
                     const std::vector<int64_t>& one_panel_swaps,
                     const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m,
-                    const std::vector<int64_t>& dot_short_rows,
+                    int64_t bf16_gemv_max_m, const std::vector<int64_t>& dot_short_rows,
                     const std::vector<std::string>& conv_epilogues) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
@@ -956,6 +963,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.dot_max_m = dot_max_m;
   config.dot2_max_m = dot2_max_m;
   config.bf16_dot_max_m = bf16_dot_max_m;
+  config.bf16_gemv_max_m = bf16_gemv_max_m;
   TORCH_CHECK(dot_short_rows.empty() || dot_short_rows.size() == 2,
               "tvm_gemm: dot_short_rows must be (k_per_row, k_cap)");
   if (!dot_short_rows.empty()) config.dot_short_rows = {dot_short_rows[0], dot_short_rows[1]};
@@ -1053,6 +1061,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ksplit") = std::vector<int64_t>{},
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
         py::arg("swap2") = std::vector<int64_t>{}, py::arg("bf16_dot_max_m") = -1,
+        py::arg("bf16_gemv_max_m") = -1,
         py::arg("dot_short_rows") = std::vector<int64_t>{},
         py::arg("conv_epilogues") = std::vector<std::string>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"

@@ -78,10 +78,13 @@ def test_which_specs_take_it():
 
 def test_small_m_takes_it_from_5_rows():
     """The "dot" variant (fp32 math) up to 4 rows of a bf16 Linear here, the packed kernel on
-    vdpbf16ps from 5 (not the gemv up to GEMV_MAX_M); elsewhere "dot" up to DOT_MAX_M."""
+    vdpbf16ps from 5 (not the gemv up to GEMV_MAX_M); elsewhere "dot" up to DOT_MAX_M. With B
+    (K, N) the gemv up to 3 rows here, GEMV_MAX_M elsewhere."""
     assert cpu.bf16_dot_max_m(ZEN5) == cpu.BF16_DOT_MAX_M < cpu.GEMV_MAX_M < cpu.DOT_MAX_M
+    assert cpu.bf16_gemv_max_m(ZEN5) == cpu.BF16_GEMV_MAX_M < cpu.GEMV_MAX_M
     plain = dataclasses.replace(ZEN5, features=ZEN5.features - {"avx512_bf16"})
     assert cpu.bf16_dot_max_m(plain) == cpu.DOT_MAX_M
+    assert cpu.bf16_gemv_max_m(plain) == cpu.GEMV_MAX_M
     if cpu_avx512_bf16.available(CPU):
         variant = functools.partial(cpu.gemm_variant, n=768, k=768, b_layout="nk")
         assert variant(1, dtype="bfloat16") == "gemv"
@@ -90,6 +93,12 @@ def test_small_m_takes_it_from_5_rows():
             assert variant(m, dtype="bfloat16") == "gemm"
             assert variant(m, dtype="float32") != "gemm"  # (float32 unchanged: dot, swap32)
         assert variant(8, k=767, dtype="bfloat16") == "dot"  # odd K: fp32 math
+        # B (K, N): the gemv up to BF16_GEMV_MAX_M rows (not GEMV_MAX_M), K symbolic or even
+        kn = functools.partial(cpu.gemm_variant, n=768, b_layout="kn", dtype="bfloat16")
+        for static_k, k in ((False, 767), (True, 768)):
+            assert kn(cpu.BF16_GEMV_MAX_M, k=k, static_k=static_k) == "gemv"
+            assert kn(cpu.BF16_GEMV_MAX_M + 1, k=k, static_k=static_k) == "gemm"
+        assert kn(cpu.BF16_GEMV_MAX_M + 1, k=767) == "gemv"  # a static odd K: fp32 math
         assert cpu.gemm_variant(17, 768, 767, "nk", dtype="bfloat16") == "dot"  # odd K
         assert cpu.gemm_variant(17, 768, 768, "nk", dtype="float32") == "dot"
 

@@ -264,6 +264,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     limit = cpu.GEMV_MIN_B_ELEMENTS
     ms = sorted({1, 2, 3, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1, cpu.DOT2_MAX_M, cpu.DOT2_MAX_M + 1})
     ms += [cpu.DOT_MAX_M, cpu.BF16_DOT_MAX_M, cpu.BF16_DOT_MAX_M + 1]
+    ms += [cpu.BF16_GEMV_MAX_M, cpu.BF16_GEMV_MAX_M + 1]
     ms += [cpu.DOT_MAX_M + 1, 64, 1000]
     ms += [cpu.SWAP_MIN_M - 1, cpu.SWAP_MIN_M, 63, 65, cpu.SWAP_MAX_M, cpu.SWAP_MAX_M + 1, 120]
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
@@ -283,6 +284,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
         max_k = cpu.one_panel_swap_max_k(variant)
         nks += [(64, max_k), (64, max_k + 1)]
     kinds = [("float32", True), ("float32", False), ("float64", True), ("bfloat16", True)]
+    kinds += [("bfloat16", False)]
     previous = ops.use_impl("cpp")  # (the key's constants come at registration)
     try:
         disagree = [

@@ -80,6 +80,21 @@ def test_planning_covers_the_backward():
     assert x.grad is not None and w.grad is not None
 
 
+def test_a_transposed_b_is_read_with_a_static_k():
+    """``x @ w.T`` reads w's rows in place ("nk") with K in the kernel, as a Linear: the
+    kernels that read a (N, K) B by rows (dot, gemv) need a static K (with a symbolic one
+    they ran at 0.01-0.2x torch.matmul); ``a @ b`` keeps one kernel for every K."""
+    x, w, a, b = randn(8, 768), randn(3072, 768), randn(8, 768), randn(768, 3072)
+    specs, (y, z) = _planned(lambda: (mm(x, w.t()), mm(a, b)))
+    assert specs == [
+        ops.gemm_spec("float32", 8, 3072, 768, "nk"),
+        ops.gemm_spec("float32", 8, 3072, 768, "kn", static_k=False),
+    ]
+    assert specs[0].k == 768 and specs[0].variant == "dot" and specs[1].k is None
+    torch.testing.assert_close(y, x @ w.T)
+    torch.testing.assert_close(z, a @ b)
+
+
 def test_planning_for_cuda_on_cpu_tensors():
     a, b = randn(3, 7, 40), randn(3, 40, 24)  # batched: one kernel per entry on CUDA
     cpu, _ = _planned(lambda: mm(a, b))

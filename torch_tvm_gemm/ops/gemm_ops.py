@@ -213,9 +213,12 @@ def shaped_output(shape: list[int], like: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _matmul_2d(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    # A transposed contiguous b (b = w.T, as in a Linear backward) is read in place as "nk".
+    # A transposed contiguous b (``x @ w.T``, a matmul's backward) is read in place as "nk",
+    # with K part of the kernel as in a Linear (b's rows are a weight's, and attention's K^T
+    # the head dim): the kernels that read a (N, K) B by rows (dot, gemv) need a static K,
+    # and with a symbolic one ran at 0.01-0.2x torch.matmul (M = 1 to 32, 768 x 3072).
     if not b.is_contiguous() and b.t().is_contiguous():
-        return gemm(a, b.t(), "nk", static_k=False, out=out)
+        return gemm(a, b.t(), "nk", static_k=True, out=out)
     return gemm(a, b, "kn", static_k=False, out=out)
 
 

@@ -154,6 +154,23 @@ def bf16_dot_max_m(cpu: CpuInfo | None = None) -> int:
     return BF16_DOT_MAX_M if cpu_avx512_bf16.available(cpu or host_cpu()) else DOT_MAX_M
 
 
+# bfloat16 with B (K, N) on vdpbf16ps (a product of two activations, or a Conv1D weight, its
+# K symbolic or even): the gemv (fp32 math) up to this M, then the packed kernel, where the
+# gemv ran at 0.33-0.58x torch.matmul from M = 8. Measured (2 threads, AMD EPYC Zen 5, K
+# symbolic, kernels alone against torch.matmul bf16, gemv / packed; N x K = 3072 x 768, 768 x
+# 3072, 768 x 768, 4096 x 4096): M = 2 1.69 / 0.93, 1.34 / 0.92, 2.18 / 1.63, 2.86 / 1.00;
+# M = 3 1.00 / 0.90, 0.82 / 0.89, 1.48 / 1.62, 3.48 / 1.07; M = 4 0.86 / 1.00, 0.71 / 0.92,
+# 1.14 / 1.57, 1.77 / 1.06; M = 8 0.58 / 1.00, 0.48 / 1.01, 0.71 / 1.68; M = 16 0.38 / 0.95,
+# 0.33 / 0.93, 0.46 / 1.36.
+BF16_GEMV_MAX_M = 3
+
+
+def bf16_gemv_max_m(cpu: CpuInfo | None = None) -> int:
+    """The largest M of the "gemv" variant for a bf16 "kn" product with a symbolic or even K
+    on this CPU (ops/impls.py hands it to csrc/ too)."""
+    return BF16_GEMV_MAX_M if cpu_avx512_bf16.available(cpu or host_cpu()) else GEMV_MAX_M
+
+
 def amx_dot_limits(cpu: CpuInfo | None = None) -> tuple[int, int]:
     """(largest M, largest M x K x 2 bytes of x) of the bf16 "dot" variant past DOT_MAX_M
     on this CPU, (0, 0) without AMX tiles (ops/impls.py hands them to csrc/ too)."""
@@ -214,7 +231,9 @@ def gemm_variant(
     kn = device == "cpu" and b_layout == "kn" and big_b
     if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
         return "ksplit"
-    return "gemv" if m <= GEMV_MAX_M and big_b else "gemm"
+    bf16_packed = dtype == "bfloat16" and (not static_k or k % 2 == 0)  # (vdpbf16ps takes it)
+    gemv_max_m = bf16_gemv_max_m() if b_layout == "kn" and bf16_packed else GEMV_MAX_M
+    return "gemv" if m <= gemv_max_m and big_b else "gemm"
 
 
 def _ksplit_fits(m: int, n: int) -> bool:
