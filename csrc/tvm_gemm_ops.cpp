@@ -87,6 +87,11 @@ struct Config {
   // "gemv" up to gemv_max_m rows, but a bfloat16 "kn" one with a symbolic or even K up to this M
   // (schedules/cpu.py bf16_gemv_max_m); -1: gemv_max_m.
   int64_t bf16_gemv_max_m = -1;
+  // "nk" with a K off whole multiples of k_multiple (or symbolic): no "dot"; "gemv" up to max_m
+  // rows (bf16: bf16_max_m), then "gemm" (schedules/cpu.py DOT_K_MULTIPLE); k_multiple 0: no rule.
+  struct {
+    int64_t k_multiple = 0, max_m = 0, bf16_max_m = 0;
+  } k_tail;
   // bfloat16 "nk", static even K: "dot" up to max_m rows while x (M x K x 2 bytes) is at
   // most max_x_bytes (schedules/cpu.py amx_dot_limits); max_m 0: never past dot_max_m.
   struct {
@@ -213,7 +218,9 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   const bool bf16_pairs = bf16 && static_k && k % 2 == 0;
   const int64_t dot_max_m = bf16_pairs && g_config.bf16_dot_max_m >= 0 ? g_config.bf16_dot_max_m
                                                                        : g_config.dot_max_m;
-  if (b_nk && big_b && m >= 2 && m <= dot_max_m) {
+  const auto& tail = g_config.k_tail;
+  const bool whole_k = tail.k_multiple == 0 || (static_k && k % tail.k_multiple == 0);
+  if (b_nk && big_b && whole_k && m >= 2 && m <= dot_max_m) {
     if (m <= g_config.dot2_max_m) return 3;
     const auto& rows = g_config.dot_short_rows;
     return fp32 && k < std::min(rows.k_per_row * m, rows.k_cap) ? 0 : 2;
@@ -239,6 +246,7 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
       n % ksplit.n_multiple == 0) {
     return 5;
   }
+  if (b_nk && big_b && !whole_k) return m <= (bf16 ? tail.bf16_max_m : tail.max_m) ? 1 : 0;
   const bool bf16_packed = bf16 && (!static_k || k % 2 == 0);
   const int64_t gemv_max_m = !b_nk && bf16_packed && g_config.bf16_gemv_max_m >= 0
                                  ? g_config.bf16_gemv_max_m
@@ -951,7 +959,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<int64_t>& amx_dot, const std::vector<int64_t>& ksplit,
                     const std::vector<int64_t>& one_panel_swaps,
                     const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m,
-                    int64_t bf16_gemv_max_m, const std::vector<int64_t>& dot_short_rows,
+                    int64_t bf16_gemv_max_m, const std::vector<int64_t>& k_tail,
+                    const std::vector<int64_t>& dot_short_rows,
                     const std::vector<std::string>& conv_epilogues) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
@@ -964,6 +973,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   config.dot2_max_m = dot2_max_m;
   config.bf16_dot_max_m = bf16_dot_max_m;
   config.bf16_gemv_max_m = bf16_gemv_max_m;
+  TORCH_CHECK(k_tail.empty() || k_tail.size() == 3,
+              "tvm_gemm: k_tail must be (k_multiple, max_m, bf16_max_m)");
+  if (!k_tail.empty()) config.k_tail = {k_tail[0], k_tail[1], k_tail[2]};
   TORCH_CHECK(dot_short_rows.empty() || dot_short_rows.size() == 2,
               "tvm_gemm: dot_short_rows must be (k_per_row, k_cap)");
   if (!dot_short_rows.empty()) config.dot_short_rows = {dot_short_rows[0], dot_short_rows[1]};
@@ -1061,7 +1073,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ksplit") = std::vector<int64_t>{},
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
         py::arg("swap2") = std::vector<int64_t>{}, py::arg("bf16_dot_max_m") = -1,
-        py::arg("bf16_gemv_max_m") = -1,
+        py::arg("bf16_gemv_max_m") = -1, py::arg("k_tail") = std::vector<int64_t>{},
         py::arg("dot_short_rows") = std::vector<int64_t>{},
         py::arg("conv_epilogues") = std::vector<std::string>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"

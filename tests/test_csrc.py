@@ -264,11 +264,12 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     limit = cpu.GEMV_MIN_B_ELEMENTS
     ms = sorted({1, 2, 3, cpu.GEMV_MAX_M, cpu.GEMV_MAX_M + 1, cpu.DOT2_MAX_M, cpu.DOT2_MAX_M + 1})
     ms += [cpu.DOT_MAX_M, cpu.BF16_DOT_MAX_M, cpu.BF16_DOT_MAX_M + 1]
-    ms += [cpu.BF16_GEMV_MAX_M, cpu.BF16_GEMV_MAX_M + 1]
+    ms += [cpu.BF16_GEMV_MAX_M, cpu.BF16_GEMV_MAX_M + 1, cpu.KTAIL_GEMV_MAX_M + 1]
     ms += [cpu.DOT_MAX_M + 1, 64, 1000]
     ms += [cpu.SWAP_MIN_M - 1, cpu.SWAP_MIN_M, 63, 65, cpu.SWAP_MAX_M, cpu.SWAP_MAX_M + 1, 120]
     nks = [(1, limit), (limit, 1), (64, limit // 64), (64, limit // 64 - 1), (7, 33), (768, 3072)]
     nks += [(64, cpu.swap_max_k()), (64, cpu.swap_max_k() + 1)]
+    nks += [(512, cpu.DOT_K_MULTIPLE * 20 + 1), (512, cpu.DOT_K_MULTIPLE * 20 + 2)]  # K tails
     nks += [(50257, 768), (768, cpu.swap_max_k() // 2 + 1)]  # (once: two panels of x)
     nks += [(cpu.SWAP2_MIN_N, 768), (cpu.SWAP2_MIN_N - 1, 768)]  # "swap2" at M = 120..128
     ms += [119, 121, 128]

@@ -262,21 +262,27 @@ def test_linear_gemv_odd_n():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ["relu", "gelu"])
-def test_linear_two_rows(dtype, act):
-    # M = 2 takes the 2-row dot kernel ("dot2"), on the C++ path as on the Python one; K off
-    # the 16-wide vectors, N off the 10-row weight tile; a NaN stays in its row.
+@pytest.mark.parametrize("k", [80, 77])
+def test_linear_two_rows(dtype, act, k):
+    # M = 2 takes the 2-row dot kernel ("dot2"), on the C++ path as on the Python one, N off
+    # the 10-row weight tile; a K off the 16-wide vectors the gemv (the packed kernel for bf16,
+    # see DOT_K_MULTIPLE); a NaN stays in its row.
     from torch_tvm_gemm.runtime import table
 
-    x, w, b = randn(2, 77, dtype=dtype), randn(103, 77, dtype=dtype), randn(103, dtype=dtype)
+    x, w, b = randn(2, k, dtype=dtype), randn(103, k, dtype=dtype), randn(103, dtype=dtype)
     x[1, 3] = float("nan")
     table.clear_table()
     out = tg.linear(x, w, b, act)
-    assert [s.variant for s in table._table] == ["dot2"]
+    tail = "gemm" if dtype == torch.bfloat16 else "gemv"
+    assert [s.variant for s in table._table] == [
+        "dot2" if k % cpu_schedules.DOT_K_MULTIPLE == 0 else tail
+    ]
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
     torch.testing.assert_close(
-        out, reference(x, w, b, act).to(dtype), equal_nan=True, **tolerance(dtype, 77)
+        out, reference(x, w, b, act).to(dtype), equal_nan=True, **tolerance(dtype, k)
     )
-    assert gemm_variant(3, 100, 150, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
+    assert gemm_variant(3, 100, 160, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
+    assert gemm_variant(3, 100, 150, "nk") == "gemm"
 
 
 @pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (8, 383, "gemm"), (8, 384, "dot"),
@@ -463,13 +469,13 @@ def test_one_panel_swap_variant_rule():
     max_k = cpu.one_panel_swap_max_k("swap32")
     assert max_k == 4 * cpu.swap_max_k() and cpu.one_panel_swap_max_k("swap48") < max_k
     assert gemm_variant(32, 768, max_k, "nk") == "swap32"
-    assert gemm_variant(32, 768, max_k + 1, "nk") == "dot"
+    assert gemm_variant(32, 768, max_k + cpu.DOT_K_MULTIPLE, "nk") == "dot"
     assert gemm_variant(48, 768, cpu.one_panel_swap_max_k("swap48") + 1, "nk") == "gemm"
     least_n = cpu.ONE_PANEL_SWAPS["swap48"][2]
     assert gemm_variant(48, least_n - 1, 768, "nk") == "gemm"  # too few tasks of 48 rows
     assert gemm_variant(32, least_n - 1, 768, "nk") == "swap32"
     assert gemm_variant(32, 768, 768, "nk", dtype="float64") == "dot"
-    assert gemm_variant(32, 768, 768, "nk", static_k=False) == "dot"
+    assert gemm_variant(32, 768, 768, "nk", static_k=False) == "gemm"  # (see DOT_K_MULTIPLE)
     assert gemm_variant(32, 768, 768, "kn") == "gemm"
     assert gemm_variant(32, 60, 60, "nk") == "gemm"  # a weight under 4096 elements
 

@@ -30,6 +30,28 @@ def test_matmul_2d(m, k, n, dtype):
     assert_close(out, a.double() @ b.double(), k)
 
 
+@pytest.mark.parametrize("n", [7, 100, 1001])
+def test_gemv_of_a_b_off_the_vectors(n):
+    """The "kn" gemv at an N off the 16-wide vectors: whole tasks of whole vectors, then one
+    task for the last columns (read clamped), each its own copy of the loop (the first copy
+    without the clamp); every M of the gemv, a NaN in B's last column stays in it."""
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.schedules import cpu
+
+    spec = GemmSpec("float32", n, None, "kn", variant="gemv")
+    span = cpu.gemv_kn_span(n, 16)
+    assert span % 16 == 0 and (n // 16) % (span // 16) == 0  # (whole tasks of whole vectors)
+    assert cpu.schedule_gemm(spec).script().count('T.sblock("acc_update")') == 2
+    b = randn(640, n)
+    b[5, n - 1] = float("nan")
+    for m in range(1, cpu.GEMV_MAX_M + 1):
+        assert cpu.gemm_variant(m, n, 640, static_k=False) == "gemv"
+        a = randn(m, 640)
+        out = tg.matmul(a, b)
+        assert torch.isnan(out[:, n - 1]).all() and not torch.isnan(out[:, : n - 1]).any()
+        assert_close(out[:, : n - 1], a @ b[:, : n - 1], 640)
+
+
 @pytest.mark.parametrize("m", [1, 2, 16, 17, 100])
 def test_one_kernel_serves_every_m(m):
     # M crosses the gemv/gemm threshold (B is big enough for gemv); each variant is

@@ -131,6 +131,11 @@ def use_impl(path: str) -> str:
             amx_dot=list(cpu_schedules.amx_dot_limits()),
             bf16_dot_max_m=cpu_schedules.bf16_dot_max_m(),
             bf16_gemv_max_m=cpu_schedules.bf16_gemv_max_m(),
+            k_tail=[
+                cpu_schedules.DOT_K_MULTIPLE,
+                cpu_schedules.KTAIL_GEMV_MAX_M,
+                cpu_schedules.KTAIL_BF16_GEMV_MAX_M,
+            ],
             dot_short_rows=[cpu_schedules.DOT_K_PER_ROW, cpu_schedules.DOT_MIN_K_CAP],
             conv_epilogues=[a for a in CONV_ACTIVATIONS if a not in ACTIVATIONS],
             ksplit=[

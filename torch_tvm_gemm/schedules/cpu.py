@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 35  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 36  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -67,6 +67,18 @@ DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 re
 # 10.8 us). The "dot2" kernel (M = 2) was ahead at every K.
 DOT_K_PER_ROW = 48
 DOT_MIN_K_CAP = 768
+# The dot kernels vectorise along K: a K off whole vectors (a multiple of DOT_K_MULTIPLE, the
+# fp32 lanes of AVX-512) carries a bounds test into their vector loop, which then runs a lane
+# at a time. Such a K takes the gemv up to KTAIL_GEMV_MAX_M rows (bf16: KTAIL_BF16_GEMV_MAX_M)
+# and the packed kernel past them. Measured (2 threads, AMD EPYC Zen 5, kernels alone against
+# F.linear, dot2 / dot / gemv / packed): fp32 512 x 33 M = 2 0.33 / 0.18 / 1.56 / 0.77, M = 4
+# 0.12 / 0.11 / 0.56 / 0.76, M = 16 0.05 / 0.06 / 0.26 / 0.85; 1024 x 100 M = 2 0.59 / 0.28 /
+# 0.84 / 0.63, M = 16 0.10 / 0.11 / 0.17 / 1.01; bf16 512 x 33 M = 2 0.53 / 0.29 / 0.70 / 2.06,
+# M = 16 0.06 / 0.06 / 0.08 / 1.80; bf16 768 x 300 M = 2 1.10 / 0.58 / 0.44 / 2.68, M = 4
+# 0.58 / 0.68 / 0.23 / 2.63.
+DOT_K_MULTIPLE = 16
+KTAIL_GEMV_MAX_M = 2
+KTAIL_BF16_GEMV_MAX_M = 1
 # Up to DOT2_MAX_M rows the "dot2" variant: the dot kernel with a 2-row tile (the 4-row one
 # computes 4 rows for 2; measured at M=2, 768x768, 2 threads: 1.06x torch against 0.72x; at
 # M=4 and 8 the 4-row tile is ahead, 1.18-1.21x against 1.07-1.08x). 10 rows of the weight
@@ -214,7 +226,8 @@ def gemm_variant(
             if _one_panel_swap_fits(variant, m, n, k):
                 return variant
     bf16_pairs = dtype == "bfloat16" and static_k and k % 2 == 0  # vdpbf16ps / AMX operands
-    if nk and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
+    whole_k = static_k and k % DOT_K_MULTIPLE == 0
+    if nk and whole_k and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
         short_rows = dtype == "float32" and k < min(DOT_K_PER_ROW * m, DOT_MIN_K_CAP)
         if m <= DOT2_MAX_M or not short_rows:
             return "dot2" if m <= DOT2_MAX_M else "dot"
@@ -231,6 +244,9 @@ def gemm_variant(
     kn = device == "cpu" and b_layout == "kn" and big_b
     if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
         return "ksplit"
+    if nk and not whole_k:  # (see DOT_K_MULTIPLE)
+        tail_max_m = KTAIL_BF16_GEMV_MAX_M if dtype == "bfloat16" else KTAIL_GEMV_MAX_M
+        return "gemv" if m <= tail_max_m else "gemm"
     bf16_packed = dtype == "bfloat16" and (not static_k or k % 2 == 0)  # (vdpbf16ps takes it)
     gemv_max_m = bf16_gemv_max_m() if b_layout == "kn" and bf16_packed else GEMV_MAX_M
     return "gemv" if m <= gemv_max_m and big_b else "gemm"
@@ -339,8 +355,11 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     elif spec.variant == "gemv":
         if spec.b_layout == "kn":
             span = gemv_kn_span(spec.n, vec)
-            sch = s_tir.Schedule(gemm_compute(spec, 1, span))
-            _schedule_gemv_kn(sch, spec, span, vec)
+            # (N padded to whole vectors only: the last task skips the vectors past them)
+            sch = s_tir.Schedule(gemm_compute(spec, 1, vec))
+            tasks = _schedule_gemv_kn(sch, spec, span, vec)
+            if spec.n % span:
+                return whole_tasks_apart(sch.mod, sch.get(tasks).loop_var, spec.n // span)
         elif cpu_gemv.applies(spec):
             tasks = -(-spec.n // GEMV_NK_ROWS)
             return cpu_gemv.gemv_nk_module(spec, vec, GEMV_NK_ROWS, _gemv_parallel(spec, tasks))
@@ -698,14 +717,11 @@ GEMV_KN_VECTOR_UNROLL = 2
 
 def gemv_kn_span(n: int, vec: int) -> int:
     """Columns per task of the "kn" gemv: the most whole vectors, up to GEMV_KN_SPAN columns,
-    that divide N. Columns past N (an N off the vectors, or with no such divisor) read
-    clamped, gathered columns: 20-30x slower where it happened (MobileNetV2's 1x1 conv at
-    N = 12544 had spans of 384 columns, the last one padded: 1.8 ms against 61 us)."""
-    vectors, most = -(-n // vec), GEMV_KN_SPAN // vec
-    if n % vec == 0:
-        return max(d for d in range(1, most + 1) if vectors % d == 0) * vec
-    tasks = -(-vectors // most)
-    return -(-vectors // tasks) * vec
+    that divide N's whole vectors. An N off the vectors has one more task, for its last few
+    columns, which reads them clamped, gathered a lane at a time (``whole_tasks_apart`` keeps
+    the clamp out of the other tasks)."""
+    vectors, most = max(n // vec, 1), GEMV_KN_SPAN // vec
+    return max(d for d in range(1, most + 1) if vectors % d == 0) * vec
 
 
 def _schedule_gemv_kn(sch, spec: GemmSpec, span: int, vec: int) -> None:
@@ -731,6 +747,32 @@ def _schedule_gemv_kn(sch, spec: GemmSpec, span: int, vec: int) -> None:
         sch.parallel(jo)
     sch.decompose_reduction(acc, ko)
     sch.vectorize(sch.split(sch.get_loops(out)[-1], [None, vec])[1])
+    return jo
+
+
+def whole_tasks_apart(mod, task, whole: int):
+    """``mod`` with the body of its loop over ``task`` in two copies: one for the first
+    ``whole`` tasks, whose columns all lie below N, one for the rest. In the first TVM's
+    simplifier drops the clamp of the column index (``min(j, N - 1)``, which keeps the last
+    task's reads inside B) and the stores' column test, and its loads and stores are vectors
+    again: with the clamp in every task each vector was gathered a lane at a time. Kernels
+    alone, 2 threads, AMD EPYC (Zen 5), against torch.matmul, before -> after: B 768 x 50257
+    at M = 1 / 4 / 16 0.76 / 0.62 / 0.23x -> 1.68 / 2.68 / 1.72x. (The task's buffers are
+    first placed inside the task, so that each copy has its own.)"""
+    from tvm import s_tir, tirx
+
+    from .tir_rewrite import fresh_copy, replace_loops, with_body
+
+    def split(loop):
+        if not loop.loop_var.same_as(task):
+            return None
+        first = task < whole  # (the constant takes the loop variable's type)
+        return with_body(loop, tirx.IfThenElse(first, fresh_copy(loop.body), loop.body))
+
+    mod = s_tir.transform.PlanAndUpdateBufferAllocationLocation()(mod)
+    mod, split_made = replace_loops(mod, split)
+    assert split_made, "the task loop is not in the module"
+    return mod
 
 
 # Below this many B elements a small-M product takes about a microsecond on one core, and
