@@ -127,23 +127,26 @@ def test_batched_matmul_one_panel_wide(dtype, n):
     assert_close(tg.matmul(p, v), torch.matmul(p.double(), v.double()), 45)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 2, 7, 33])
-def test_matmul_by_a_transposed_weight(m):
-    # b = w.T of a contiguous w is read in place as "nk" with a symbolic K: the gemv at M = 1
-    # (K = 130 off its 16-wide vectors), the dot variant for 2 <= M <= 32 (B of >= 4096
-    # elements), the packed kernel above.
-    a, w = randn(m, 130), randn(40, 130)
-    assert_close(tg.matmul(a, w.t()), a @ w.t(), 130)
+@pytest.mark.parametrize("k", [130, 128])
+def test_matmul_by_a_transposed_weight(m, k, dtype):
+    # b = w.T of a contiguous w is read in place as "nk" with a static K, as a Linear: the
+    # gemv at M = 1, the dot variants for 2 <= M <= 32 where K is whole vectors (else the
+    # gemv or the packed kernel), the packed kernel above (B of >= 4096 elements).
+    a, w = randn(m, k, dtype=dtype), randn(40, k, dtype=dtype)
+    assert_close(tg.matmul(a, w.t()), a.double() @ w.t().double(), k)
 
 
-def test_batched_matmul_broadcast_and_non_contiguous_batch():
-    a = randn(1, 9, 40).expand(6, 9, 40)  # broadcast batch (stride 0)
-    b = randn(12, 40, 20)[::2]  # every other batch entry: not contiguous
-    assert_close(tg.matmul(a, b), torch.matmul(a, b), 40)
-    p = randn(20, 6, 40).permute(1, 0, 2)  # batch not outermost in memory
-    assert_close(tg.matmul(p, b), torch.matmul(p, b), 40)
-    two_d = randn(9, 40)
-    assert_close(tg.matmul(two_d, b), torch.matmul(two_d, b), 40)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batched_matmul_broadcast_and_non_contiguous_batch(dtype):
+    a = randn(1, 9, 40, dtype=dtype).expand(6, 9, 40)  # broadcast batch (stride 0)
+    b = randn(12, 40, 20, dtype=dtype)[::2]  # every other batch entry: not contiguous
+    assert_close(tg.matmul(a, b), torch.matmul(a.double(), b.double()), 40)
+    p = randn(20, 6, 40, dtype=dtype).permute(1, 0, 2)  # batch not outermost in memory
+    assert_close(tg.matmul(p, b), torch.matmul(p.double(), b.double()), 40)
+    two_d = randn(9, 40, dtype=dtype)
+    assert_close(tg.matmul(two_d, b), torch.matmul(two_d.double(), b.double()), 40)
     assert tg.matmul(randn(0, 9, 40), randn(0, 40, 20)).shape == (0, 9, 20)
     assert torch.equal(tg.matmul(randn(3, 9, 0), randn(3, 0, 20)), torch.zeros(3, 9, 20))
 
