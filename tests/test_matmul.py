@@ -41,7 +41,8 @@ def test_gemv_of_a_b_off_the_vectors(n):
     spec = GemmSpec("float32", n, None, "kn", variant="gemv")
     span = cpu.gemv_kn_span(n, 16)
     assert span % 16 == 0 and (n // 16) % (span // 16) == 0  # (whole tasks of whole vectors)
-    assert cpu.schedule_gemm(spec).script().count('T.sblock("acc_update")') == 2
+    copies = 2 if n > span else 1  # (N under one vector: a single task)
+    assert cpu.schedule_gemm(spec).script().count('T.sblock("acc_update")') == copies
     b = randn(640, n)
     b[5, n - 1] = float("nan")
     for m in range(1, cpu.GEMV_MAX_M + 1):

@@ -358,7 +358,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             # (N padded to whole vectors only: the last task skips the vectors past them)
             sch = s_tir.Schedule(gemm_compute(spec, 1, vec))
             tasks = _schedule_gemv_kn(sch, spec, span, vec)
-            if spec.n % span:
+            if spec.n % span and spec.n > span:  # (else a single task)
                 return whole_tasks_apart(sch.mod, sch.get(tasks).loop_var, spec.n // span)
         elif cpu_gemv.applies(spec):
             tasks = -(-spec.n // GEMV_NK_ROWS)
@@ -724,9 +724,9 @@ def gemv_kn_span(n: int, vec: int) -> int:
     return max(d for d in range(1, most + 1) if vectors % d == 0) * vec
 
 
-def _schedule_gemv_kn(sch, spec: GemmSpec, span: int, vec: int) -> None:
+def _schedule_gemv_kn(sch, spec: GemmSpec, span: int, vec: int):
     """acc[i, j:j+span] += A[i, k] * B[k, j:j+span] for each k, then each i: one pass over
-    the task's columns of B, whole rows of them at a time."""
+    the task's columns of B, whole rows of them at a time. Returns the loop over the tasks."""
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     sch.compute_inline(sch.get_sblock("A_pad"))
     sch.compute_inline(sch.get_sblock("B_pad"))
