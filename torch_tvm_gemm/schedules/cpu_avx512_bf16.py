@@ -178,10 +178,10 @@ def panel_gemm(T, tirx, M, N: int, K: int, B, nk: bool, a_words, row_base, taps:
                output: Output | None = None):  # fmt: skip
     """Inside ``T.prim_func()``: the GEMM of A (M rows, row ``p`` from word ``row_base(p)``
     of ``a_words`` as ``taps`` says) and B (N, K) if ``nk`` else (K, N), its outputs through
-    ``finish(row, col, value)`` (or, given ``output``, whole panels through it); parallel over B's panels of 32 columns, each packed once,
-    then used a chunk of its taps at a time (``chunk_taps``) by every block of A's rows, the
-    sums kept between chunks in the task's buffer; the task's next panel of B is prefetched
-    meanwhile."""
+    ``finish(row, col, value)`` (or, given ``output``, whole panels through it); parallel
+    over B's panels of 32 columns, each packed once, then used a chunk of its taps at a time
+    (``chunk_taps``) by every block of A's rows, the sums kept between chunks in the task's
+    buffer; the task's next panel of B is prefetched meanwhile."""
     import tvm
 
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
@@ -325,21 +325,27 @@ def _block_product(T, tirx, a_words, taps: Taps, first, count: int, panel_pairs,
     panel's zero padding would not cancel a NaN). The accumulators of rows past ``bases``
     keep what they held; the epilogue never reads rows past M."""
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    vec = 16
-    lanes = [tirx.Ramp(i64(0), i64(1), vec)]
     with T.serial(first, first + count) as tap:
         with T.serial(i64(0), i64(taps.pairs)) as c2:
-            k2 = tap * taps.pairs + c2
-            halves = [panel_pairs.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
-            for r, base in enumerate(bases):
-                a = tirx.Broadcast(a_words[base + taps.offset(tap) + c2], vec)
-                for h, b in enumerate(halves):
-                    buffer = acc[2 * r + h]
-                    value = tirx.call_pure_extern(
-                        f"float32x{vec}", DOT_FUNCTION, buffer.vload([i64(0)], f"float32x{vec}"),
-                        a, b,
-                    )  # fmt: skip
-                    T.buffer_store(buffer, value, lanes)
+            words = [a_words[base + taps.offset(tap) + c2] for base in bases]
+            _dot_step(T, tirx, panel_pairs, acc, tap * taps.pairs + c2, words)
+
+
+def _dot_step(T, tirx, panel_pairs, acc, k2, words) -> None:
+    """One pair of K: ``acc[2 r]``, ``acc[2 r + 1]`` += row r's pair (``words[r]``, a 32-bit
+    word of two bf16) times the panel's pair ``k2`` (32 columns, two vectors)."""
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    vec = 16
+    lanes = [tirx.Ramp(i64(0), i64(1), vec)]
+    halves = [panel_pairs.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
+    for r, word in enumerate(words):
+        a = tirx.Broadcast(word, vec)
+        for h, b in enumerate(halves):
+            buffer = acc[2 * r + h]
+            value = tirx.call_pure_extern(
+                f"float32x{vec}", DOT_FUNCTION, buffer.vload([i64(0)], f"float32x{vec}"), a, b
+            )
+            T.buffer_store(buffer, value, lanes)
 
 
 def _block_epilogue(T, tirx, M, N: int, sums, tile, block, panel, finish, output=None) -> None:
@@ -520,24 +526,10 @@ def _pairs_product(T, tirx, bases, word, first, last, panel_pairs, acc, tail=Non
     """``acc`` += the len(bases) x 32 product of A's rows (``word(base, k2)``: the rows'
     pair ``k2``) and the packed panel over pairs ``first`` to ``last``, and where ``tail``
     holds, pair ``last`` too, read by ``tail_word`` (an odd K's last value)."""
-    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    vec = 16
-    lanes = [tirx.Ramp(i64(0), i64(1), vec)]
-
-    def step(k2, word):
-        halves = [panel_pairs.vload([k2 * PANEL + h * vec], f"int32x{vec}") for h in range(2)]
-        for r, base in enumerate(bases):
-            a = tirx.Broadcast(word(base, k2), vec)
-            for h, b in enumerate(halves):
-                buffer = acc[2 * r + h]
-                value = tirx.call_pure_extern(
-                    f"float32x{vec}", DOT_FUNCTION, buffer.vload([i64(0)], f"float32x{vec}"), a, b
-                )
-                T.buffer_store(buffer, value, lanes)
-
     with T.serial(first, last) as k2:
-        step(k2, word)
+        _dot_step(T, tirx, panel_pairs, acc, k2, [word(base, k2) for base in bases])
     if tail is not None:
         with T.If(tail):
             with T.Then():
-                step(last, tail_word)
+                words = [tail_word(base, last) for base in bases]
+                _dot_step(T, tirx, panel_pairs, acc, last, words)
