@@ -139,11 +139,12 @@ def test_compiles_to_dot_products_in_registers(spec):
 
 @needs_bf16_dot
 @pytest.mark.parametrize("m", [1, 4, 7, 8, 12, 13, 16, 20, 33, 127])
-@pytest.mark.parametrize(("n", "k"), [(64, 96), (50, 70), (96, 2), (32, 1030)])
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (50, 70), (96, 2), (32, 1030), (32, 8320)])
 def test_linear_every_edge(m, n, k):
     """M around the 12-row tile and its last block's tail tiles of 4 and 8 rows (M = 16, 20:
     a block of 12 and one of 4 or 8), N off the 32-column panel, K of one pair and off the
-    packs' 32-value steps (K = 1030: chunks of K, the sums kept between them)."""
+    packs' 32-value steps (K = 1030: one pass, past the L1; K = 8320: chunks of K, the sums
+    kept between them, past a quarter of a 2 MB L2 too)."""
     spec = gemm_spec("bfloat16", m, n, k, "nk", bias=True, activation="relu")
     x, w, b = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16), randn(n, dtype=BF16)
     assert_close(run(spec, x, w, b), reference(x, w, b, spec), k)

@@ -35,7 +35,7 @@ from ..kernels.gemm import GemmSpec, apply_activation
 from ..target import CpuInfo
 from . import cpu_amx
 
-SCHEDULE_VERSION = 10  # (9: matmul of activations and batched matmul; 10: the CPU rounds to bf16)
+SCHEDULE_VERSION = 11  # (9: matmul of activations, batched; 10: the CPU rounds; 11: K unchunked)
 
 PANEL = cpu_amx.BLOCK  # columns of B per task: 2 vectors of 16 fp32 lanes
 MR = 12  # rows of A per register tile: 24 accumulators + 2 panel vectors + 1 broadcast of 32
@@ -154,11 +154,26 @@ class Output:
         T.buffer_store(words, value, [tirx.Ramp(first, tirx.const(1, "int64"), 32)])
 
 
+# A Linear's panel whole in a quarter of the L2 (K up to 4096 on a 1 MB L2) is not chunked:
+# its pass over A's rows is then one, the sums never leave the registers, and the panel
+# streams from the L2. Kernels alone, weights cycled, both builds in one process (AMD EPYC,
+# Zen 5, 2 threads), GFLOPS chunks of 256 -> one pass: 768 x 3072 at M = 128 / 512 / 1024
+# 827 / 882 / 843-934 -> 860 / 946 / 963-976, 512 x 1376 at M = 128 / 256 / 1024 902 / 924 /
+# 865-914 -> 921 / 951 / 952-983, 4096 x 4096 at M = 128 / 256 / 1024 813 / 893 / 960 -> 870
+# / 904 / 986 (torch 725-949). A longer K (11008) keeps chunks of 256: of 768 pairs 0.98x.
+def whole_k_pairs() -> int:
+    """The most pairs of K a Linear's panel holds unchunked on this CPU."""
+    from ..target import host_cpu
+
+    return host_cpu().l2_bytes // 4 // (PANEL * 4)
+
+
 def linear_taps(pairs: int) -> Taps:
     """A matrix row's K/2 pairs as equal runs ("taps") of at most CHUNK_PAIRS, where some
-    run of 64 or more divides them (else one run): the chunks of ``panel_gemm``."""
+    run of 64 or more divides them (else one run), or one run where the panel is small
+    enough (``whole_k_pairs``): the chunks of ``panel_gemm``."""
     runs = [r for r in range(64, CHUNK_PAIRS + 1) if pairs % r == 0]
-    run = max(runs) if runs and pairs > L1_PAIRS else pairs
+    run = max(runs) if runs and pairs > max(L1_PAIRS, whole_k_pairs()) else pairs
     return Taps(pairs // run, lambda tap: tap * run, run)
 
 
