@@ -32,7 +32,7 @@ import functools
 from collections.abc import Callable
 
 from ..kernels.gemm import GemmSpec, apply_activation
-from ..target import CpuInfo
+from ..target import CpuInfo, host_cpu
 from . import cpu_amx
 
 SCHEDULE_VERSION = 11  # (9: matmul of activations, batched; 10: the CPU rounds; 11: K unchunked)
@@ -163,8 +163,6 @@ class Output:
 # / 904 / 986 (torch 725-949). A longer K (11008) keeps chunks of 256: of 768 pairs 0.98x.
 def whole_k_pairs() -> int:
     """The most pairs of K a Linear's panel holds unchunked on this CPU."""
-    from ..target import host_cpu
-
     return host_cpu().l2_bytes // 4 // (PANEL * 4)
 
 
