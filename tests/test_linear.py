@@ -143,11 +143,16 @@ def test_packed_kernel_pack_prefetches(isa):
 
     features = {"avx2", "fma"} | ({"avx512f"} if isa == "avx512" else set())
     cpu = CpuInfo("x86_64", "", frozenset(features), 2 << 20)
-    for layout in ("nk", "kn"):
-        mod = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, layout), cpu)
+    for layout, k in (("nk", 80), ("kn", 70)):
+        mod = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, k, layout), cpu)
         assert mod.script().count("llvm.prefetch") == 1
         if isa == "avx2":
             tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}))
+    # A "nk" K off whole tiles packs its last values apart from the whole tiles (no prefetch)
+    mod = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, 70, "nk"), cpu)
+    assert "partition" in mod.script() and "llvm.prefetch" not in mod.script()
+    if isa == "avx2":
+        tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}))
     batched = gemm_spec("float32", 128, 128, 64, "nk", batched=True)
     assert cpu_schedules.schedule_gemm(batched, cpu).script().count("llvm.prefetch") == 1
 
