@@ -30,6 +30,19 @@ def test_matmul_2d(m, k, n, dtype):
     assert_close(out, a.double() @ b.double(), k)
 
 
+def test_gemv_tasks_come_in_even_counts():
+    """The "kn" gemv's spans divide N's whole vectors into 1, an even count or many tasks
+    (two threads take equal shares) where that costs at most half the span: 60 vectors in 4
+    tasks of 15, not 3 of 20; 25 in 5 tasks of 5, not 25 of 1."""
+    from torch_tvm_gemm.schedules import cpu
+
+    assert cpu.gemv_kn_span(960, 16) == 240
+    assert cpu.gemv_kn_span(768, 16) == 384 and cpu.gemv_kn_span(1024, 16) == 256  # 2 / 4 tasks
+    assert cpu.gemv_kn_span(1000, 16) == 32  # 31 tasks: many
+    assert cpu.gemv_kn_span(240, 16) == 240  # one task
+    assert cpu.gemv_kn_span(400, 16) == 80
+
+
 @pytest.mark.parametrize("n", [7, 100, 1001])
 def test_gemv_of_a_b_off_the_vectors(n):
     """The "kn" gemv at an N off the 16-wide vectors: whole tasks of whole vectors, then one

@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 37  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 38  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -734,13 +734,33 @@ GEMV_KN_K_UNROLL = 16
 GEMV_KN_VECTOR_UNROLL = 2
 
 
+# Few tasks of the "kn" gemv must come in an even count: with 3 or 5 tasks one of two threads
+# ran twice the other's share (kernels alone, 2 threads, Intel Xeon, B 768 x 960, M = 1, spans
+# of 320 / 240 / 192 / 160 columns, i.e. 3 / 4 / 5 / 6 tasks: 49 / 31 / 43 / 29 us,
+# torch.matmul 24 us). From GEMV_KN_EVEN_TASKS_BELOW tasks on the odd one out is a small part.
+# The 17 N up to 8000 whose span this changes, K = 768 symbolic, against torch.matmul, old ->
+# new span, M = 1 / 4: N = 800 0.78 / 0.97x -> 0.97 / 1.25x, 960 0.47 / 0.71x -> 0.82 /
+# 1.08x, 1152 0.54 / 0.62x -> 0.93 / 0.96x, 1440 0.63 / 0.67x -> 0.82 / 0.85x, 1920 0.67 /
+# 1.04x -> 0.86 / 1.60x, 2688 0.77 / 1.07x -> 0.87 / 1.42x.
+GEMV_KN_EVEN_TASKS_BELOW = 8
+
+
 def gemv_kn_span(n: int, vec: int) -> int:
     """Columns per task of the "kn" gemv: the most whole vectors, up to GEMV_KN_SPAN columns,
-    that divide N's whole vectors. An N off the vectors has one more task, for its last few
-    columns, which reads them clamped, gathered a lane at a time (``whole_tasks_apart`` keeps
-    the clamp out of the other tasks)."""
+    that divide N's whole vectors, into an even count of tasks if that costs at most half
+    the span. An N off the vectors has one more task, for its last few columns, which reads
+    them clamped, gathered a lane at a time (``whole_tasks_apart`` keeps the clamp out of the
+    other tasks)."""
     vectors, most = max(n // vec, 1), GEMV_KN_SPAN // vec
-    return max(d for d in range(1, most + 1) if vectors % d == 0) * vec
+    spans = [d for d in range(1, most + 1) if vectors % d == 0]
+    balanced = [d for d in spans if _balanced_tasks(vectors // d)]
+    if balanced and 2 * max(balanced) >= max(spans):
+        return max(balanced) * vec
+    return max(spans) * vec
+
+
+def _balanced_tasks(tasks: int) -> bool:
+    return tasks <= 2 or tasks % 2 == 0 or tasks >= GEMV_KN_EVEN_TASKS_BELOW
 
 
 def _schedule_gemv_kn(sch, spec: GemmSpec, span: int, vec: int):
