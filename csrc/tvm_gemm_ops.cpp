@@ -87,8 +87,9 @@ struct Config {
   // "gemv" up to gemv_max_m rows, but a bfloat16 "kn" one with a symbolic or even K up to this M
   // (schedules/cpu.py bf16_gemv_max_m); -1: gemv_max_m.
   int64_t bf16_gemv_max_m = -1;
-  // "nk" with a K off whole multiples of k_multiple (or symbolic): no "dot"; "gemv" up to max_m
-  // rows (bf16: bf16_max_m), then "gemm" (schedules/cpu.py DOT_K_MULTIPLE); k_multiple 0: no rule.
+  // "nk" with a K off whole multiples of k_multiple (or symbolic): no "dot" (but float32 with a
+  // static K past k_multiple); "gemv" up to max_m rows (bf16: bf16_max_m), then "gemm"
+  // (schedules/cpu.py DOT_K_MULTIPLE); k_multiple 0: no rule.
   struct {
     int64_t k_multiple = 0, max_m = 0, bf16_max_m = 0;
   } k_tail;
@@ -220,7 +221,9 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
                                                                        : g_config.dot_max_m;
   const auto& tail = g_config.k_tail;
   const bool whole_k = tail.k_multiple == 0 || (static_k && k % tail.k_multiple == 0);
-  if (b_nk && big_b && whole_k && m >= 2 && m <= dot_max_m) {
+  // (float32 dot kernels sum K's last values apart: any static K past one vector)
+  const bool dot_k = whole_k || (fp32 && static_k && k > tail.k_multiple);
+  if (b_nk && big_b && dot_k && m >= 2 && m <= dot_max_m) {
     if (m <= g_config.dot2_max_m) return 3;
     const auto& rows = g_config.dot_short_rows;
     return fp32 && k < std::min(rows.k_per_row * m, rows.k_cap) ? 0 : 2;

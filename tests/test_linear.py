@@ -270,15 +270,16 @@ def test_linear_gemv_odd_n():
 @pytest.mark.parametrize("k", [80, 77])
 def test_linear_two_rows(dtype, act, k):
     # M = 2 takes the 2-row dot kernel ("dot2"), on the C++ path as on the Python one, N off
-    # the 10-row weight tile; a K off the 16-wide vectors the gemv (the packed kernel for bf16,
-    # see DOT_K_MULTIPLE); a NaN stays in its row.
+    # the 10-row weight tile; a K off the 16-wide vectors too in float32 (its last values
+    # summed apart), else the gemv (the packed kernel for bf16, see DOT_K_MULTIPLE); a NaN
+    # stays in its row.
     from torch_tvm_gemm.runtime import table
 
     x, w, b = randn(2, k, dtype=dtype), randn(103, k, dtype=dtype), randn(103, dtype=dtype)
     x[1, 3] = float("nan")
     table.clear_table()
     out = tg.linear(x, w, b, act)
-    tail = "gemm" if dtype == torch.bfloat16 else "gemv"
+    tail = {torch.bfloat16: "gemm", torch.float32: "dot2"}.get(dtype, "gemv")
     assert [s.variant for s in table._table] == [
         "dot2" if k % cpu_schedules.DOT_K_MULTIPLE == 0 else tail
     ]
@@ -287,12 +288,15 @@ def test_linear_two_rows(dtype, act, k):
         out, reference(x, w, b, act).to(dtype), equal_nan=True, **tolerance(dtype, k)
     )
     assert gemm_variant(3, 100, 160, "nk") == "dot" and gemm_variant(1, 100, 77, "nk") == "gemv"
-    assert gemm_variant(3, 100, 150, "nk") == "gemm"
+    assert gemm_variant(3, 100, 150, "nk") == "dot"  # (K's last 6 values apart)
+    assert gemm_variant(3, 100, 151, "nk", dtype="bfloat16") == "gemm"  # (bf16: no tail apart)
+    assert gemm_variant(2, 4096, 15, "nk") == "gemv" and gemm_variant(3, 4096, 15, "nk") == "gemm"
 
 
 @pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (8, 383, "gemm"), (8, 384, "dot"),
                                          (4, 191, "gemm"), (4, 192, "dot"), (2, 48, "dot2"),
-                                         (20, 767, "gemm"), (20, 768, "dot")])  # fmt: skip
+                                         (20, 767, "gemm"), (20, 768, "dot"),
+                                         (4, 193, "dot"), (8, 399, "dot"), (2, 33, "dot2")])  # fmt: skip
 def test_dot_takes_rows_long_enough(m, k, variant):
     # float32 rows shorter than DOT_K_PER_ROW * M (at most DOT_MIN_K_CAP) take the packed
     # kernel (a squeeze-and-excitation conv's 48 -> 1152 at batch 8); "dot2" keeps M = 2.

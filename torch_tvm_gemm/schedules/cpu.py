@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 38  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 39  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -68,9 +68,14 @@ DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 re
 DOT_K_PER_ROW = 48
 DOT_MIN_K_CAP = 768
 # The dot kernels vectorise along K: a K off whole vectors (a multiple of DOT_K_MULTIPLE, the
-# fp32 lanes of AVX-512) carries a bounds test into their vector loop, which then runs a lane
-# at a time. Such a K takes the gemv up to KTAIL_GEMV_MAX_M rows (bf16: KTAIL_BF16_GEMV_MAX_M)
-# and the packed kernel past them. Measured (2 threads, AMD EPYC Zen 5, kernels alone against
+# fp32 lanes of AVX-512) carried a bounds test into their vector loop, which then ran a lane
+# at a time. Such a K took the gemv up to KTAIL_GEMV_MAX_M rows (bf16: KTAIL_BF16_GEMV_MAX_M)
+# and the packed kernel past them; bf16 still does. float32 takes the dot kernels again past
+# one vector of K: they now sum K's last values in a loop of their own (``_schedule_dot_nk``).
+# Kernels alone, 2 threads, Intel Xeon, against F.linear, M = 2, gemv / packed / dot2: N x K =
+# 1000 x 33 0.46 / 0.63 / 0.89x, 1000 x 100 0.45 / 0.47 / 0.53x, 768 x 300 0.45 / 0.34 /
+# 0.99x, 512 x 33 0.63 / 0.56 / 1.09x; M = 4, packed / dot: 1000 x 33 0.78 / 0.50x (short
+# rows: packed, DOT_K_PER_ROW), 768 x 300 0.56 / 1.14x. Before that change: Measured (2 threads, AMD EPYC Zen 5, kernels alone against
 # F.linear, dot2 / dot / gemv / packed): fp32 512 x 33 M = 2 0.33 / 0.18 / 1.56 / 0.77, M = 4
 # 0.12 / 0.11 / 0.56 / 0.76, M = 16 0.05 / 0.06 / 0.26 / 0.85; 1024 x 100 M = 2 0.59 / 0.28 /
 # 0.84 / 0.63, M = 16 0.10 / 0.11 / 0.17 / 1.01; bf16 512 x 33 M = 2 0.53 / 0.29 / 0.70 / 2.06,
@@ -227,7 +232,8 @@ def gemm_variant(
                 return variant
     bf16_pairs = dtype == "bfloat16" and static_k and k % 2 == 0  # vdpbf16ps / AMX operands
     whole_k = static_k and k % DOT_K_MULTIPLE == 0
-    if nk and whole_k and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
+    dot_k = whole_k or (dtype == "float32" and static_k and k > DOT_K_MULTIPLE)  # (K's tail apart)
+    if nk and dot_k and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
         short_rows = dtype == "float32" and k < min(DOT_K_PER_ROW * m, DOT_MIN_K_CAP)
         if m <= DOT2_MAX_M or not short_rows:
             return "dot2" if m <= DOT2_MAX_M else "dot"
@@ -880,6 +886,13 @@ def _schedule_dot_nk(sch, spec: GemmSpec, vec: int, tile: tuple[int, int]) -> No
     if _gemv_parallel(spec, -(-spec.n // nr)):
         sch.parallel(jo)
     sch.decompose_reduction(rf, ko)
+    if spec.k is not None and spec.k > vec and spec.k % vec:
+        # K's last values in a loop of their own, a value a step, so that the whole vectors'
+        # loop carries no bounds test (with it, every step ran a lane at a time; DOT_K_MULTIPLE)
+        ko = sch.get_loops(rf)[-4]  # (rf: the update block now)
+        _, last = sch.loop_partition(ko, [spec.k // vec, None])
+        lanes = sch.get_loops(sch.get_child_blocks(last)[-1])[-1]
+        sch.loop_partition(lanes, [spec.k % vec, None])  # (lanes past K: a test that is false)
 
 
 def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
