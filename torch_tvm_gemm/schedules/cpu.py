@@ -75,12 +75,12 @@ DOT_MIN_K_CAP = 768
 # Kernels alone, 2 threads, Intel Xeon, against F.linear, M = 2, gemv / packed / dot2: N x K =
 # 1000 x 33 0.46 / 0.63 / 0.89x, 1000 x 100 0.45 / 0.47 / 0.53x, 768 x 300 0.45 / 0.34 /
 # 0.99x, 512 x 33 0.63 / 0.56 / 1.09x; M = 4, packed / dot: 1000 x 33 0.78 / 0.50x (short
-# rows: packed, DOT_K_PER_ROW), 768 x 300 0.56 / 1.14x. Before that change: Measured (2 threads, AMD EPYC Zen 5, kernels alone against
-# F.linear, dot2 / dot / gemv / packed): fp32 512 x 33 M = 2 0.33 / 0.18 / 1.56 / 0.77, M = 4
-# 0.12 / 0.11 / 0.56 / 0.76, M = 16 0.05 / 0.06 / 0.26 / 0.85; 1024 x 100 M = 2 0.59 / 0.28 /
-# 0.84 / 0.63, M = 16 0.10 / 0.11 / 0.17 / 1.01; bf16 512 x 33 M = 2 0.53 / 0.29 / 0.70 / 2.06,
-# M = 16 0.06 / 0.06 / 0.08 / 1.80; bf16 768 x 300 M = 2 1.10 / 0.58 / 0.44 / 2.68, M = 4
-# 0.58 / 0.68 / 0.23 / 2.63.
+# rows: packed, DOT_K_PER_ROW), 768 x 300 0.56 / 1.14x. Before that change (2 threads, AMD
+# EPYC Zen 5, kernels alone against F.linear, dot2 / dot / gemv / packed): fp32 512 x 33
+# M = 2 0.33 / 0.18 / 1.56 / 0.77, M = 4 0.12 / 0.11 / 0.56 / 0.76, M = 16 0.05 / 0.06 / 0.26
+# / 0.85; 1024 x 100 M = 2 0.59 / 0.28 / 0.84 / 0.63, M = 16 0.10 / 0.11 / 0.17 / 1.01; bf16
+# 512 x 33 M = 2 0.53 / 0.29 / 0.70 / 2.06, M = 16 0.06 / 0.06 / 0.08 / 1.80; bf16 768 x 300
+# M = 2 1.10 / 0.58 / 0.44 / 2.68, M = 4 0.58 / 0.68 / 0.23 / 2.63.
 DOT_K_MULTIPLE = 16
 KTAIL_GEMV_MAX_M = 2
 KTAIL_BF16_GEMV_MAX_M = 1
