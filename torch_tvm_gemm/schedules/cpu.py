@@ -710,14 +710,10 @@ def _transpose_in_tiles(sch, b_pad, vec: int, in_registers: bool = False):
         sch.tensorize(n1, cpu_transpose.intrinsic())
         return k0, None
     if k_extent is not None and k_extent > vec and k_extent % vec:
-        whole, last = sch.loop_partition(k0, [k_extent // vec, None])
+        whole = _k_tail_apart(sch, k0, k_extent, vec)
         rows, lanes = sch.get_loops(sch.get_child_blocks(whole)[-1])[-2:]
         sch.unroll(rows)
         sch.vectorize(lanes)
-        # (the last tile's lanes past K: a loop of their own, whose bounds test is false)
-        sch.loop_partition(
-            sch.get_loops(sch.get_child_blocks(last)[-1])[-1], [k_extent % vec, None]
-        )
         return None
     sch.unroll(n1)
     sch.vectorize(k1)
@@ -886,13 +882,19 @@ def _schedule_dot_nk(sch, spec: GemmSpec, vec: int, tile: tuple[int, int]) -> No
     if _gemv_parallel(spec, -(-spec.n // nr)):
         sch.parallel(jo)
     sch.decompose_reduction(rf, ko)
-    if spec.k is not None and spec.k > vec and spec.k % vec:
-        # K's last values in a loop of their own, a value a step, so that the whole vectors'
-        # loop carries no bounds test (with it, every step ran a lane at a time; DOT_K_MULTIPLE)
-        ko = sch.get_loops(rf)[-4]  # (rf: the update block now)
-        _, last = sch.loop_partition(ko, [spec.k // vec, None])
-        lanes = sch.get_loops(sch.get_child_blocks(last)[-1])[-1]
-        sch.loop_partition(lanes, [spec.k % vec, None])  # (lanes past K: a test that is false)
+    if spec.k is not None and spec.k > vec and spec.k % vec:  # (see DOT_K_MULTIPLE)
+        _k_tail_apart(sch, sch.get_loops(rf)[-4], spec.k, vec)  # (rf: the update block now)
+
+
+def _k_tail_apart(sch, vectors, k: int, vec: int):
+    """Split ``vectors``, a loop over a static K's vectors (VEC lanes, the innermost loop of
+    its body), into the whole vectors and the last K % VEC values, a value a step: with one
+    loop the last vector's bounds test sat in every vector's loop, which then ran a lane at
+    a time. Returns the whole vectors' loop (a loop_partition drops its loop's annotations)."""
+    whole, last = sch.loop_partition(vectors, [k // vec, None])
+    lanes = sch.get_loops(sch.get_child_blocks(last)[-1])[-1]
+    sch.loop_partition(lanes, [k % vec, None])  # (lanes past K: a test that is false, dropped)
+    return whole
 
 
 def _schedule_packed_batched(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
