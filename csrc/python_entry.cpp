@@ -37,8 +37,9 @@ py::object wrap(at::Tensor t) { return py::reinterpret_steal<py::object>(THPVari
 // costs a lock and an unlock, and each tensor the call copies (a tensor Python holds gains a
 // second reference) takes it back to update the Python object, while the kernel runs for a
 // few microseconds at most.
-bool small_product(int64_t a_elements, int64_t n) {
-  return a_elements > 0 && n > 0 && a_elements <= kSerialMaxMacs / n;
+bool small_product(int64_t a_elements, int64_t n, int64_t b_elements) {
+  return a_elements > 0 && n > 0 && a_elements <= kSerialMaxMacs / n &&
+         b_elements < kSerialMaxBElements;
 }
 
 py::object matmul_entry(py::handle a, py::handle b) {
@@ -48,7 +49,9 @@ py::object matmul_entry(py::handle a, py::handle b) {
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
   const at::Tensor& ta = THPVariable_Unpack(a.ptr());
   const at::Tensor& tb = THPVariable_Unpack(b.ptr());
-  if (small_product(ta.numel(), tb.dim() > 0 ? tb.size(-1) : 1)) return wrap(op.call(ta, tb));
+  if (small_product(ta.numel(), tb.dim() > 0 ? tb.size(-1) : 1, tb.numel())) {
+    return wrap(op.call(ta, tb));
+  }
   at::Tensor out;
   {
     py::gil_scoped_release no_gil;  // as torch.ops does: other Python threads run meanwhile
@@ -73,7 +76,7 @@ py::object linear_entry(py::handle x, py::handle weight, py::handle bias, py::ha
   if (has_bias) tbias = THPVariable_Unpack(bias.ptr());
   const at::Tensor& tx = THPVariable_Unpack(x.ptr());
   const at::Tensor& tw = THPVariable_Unpack(weight.ptr());
-  if (small_product(tx.numel(), tw.dim() > 0 ? tw.size(0) : 1)) {
+  if (small_product(tx.numel(), tw.dim() > 0 ? tw.size(0) : 1, tw.numel())) {
     return wrap(op.call(tx, tw, tbias, act));
   }
   at::Tensor out;

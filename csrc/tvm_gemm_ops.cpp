@@ -449,7 +449,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
   DLTensor dl_a = dl_view(ac, dtype);
   DLTensor dl_b = dl_view(bc, dtype);
   DLTensor dl_out = dl_view(dest, dtype);
-  const SerialCalls serial(m * n * k <= kSerialMaxMacs);
+  const SerialCalls serial(serial_product(m, n, k));
   try {
     if (bias.has_value()) {
       const at::Tensor biasc = aligned(*bias->expect_contiguous());
@@ -1114,6 +1114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "What the output pool holds.");
   m.def("release_output_pool", &tvm_gemm::release_output_pool,
         "Return the output pool's kept blocks to the system.");
+  m.def("serial_product", &tvm_gemm::serial_product, py::arg("m"), py::arg("n"), py::arg("k"),
+        "Whether an (M, N, K) product's kernel runs on the calling thread, not on the pool.");
   m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,
         "Address of the TVMBackendParallelLaunch replacement that runs on torch's OpenMP pool.");
   tvm_gemm::add_python_entries(m);

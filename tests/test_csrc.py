@@ -358,6 +358,22 @@ def test_products_either_side_of_the_serial_threshold(impl, k):
     assert_close(mm(x, w), x.double() @ w.double(), 256)
 
 
+@needs_ext
+def test_serial_products_leave_big_weights_to_the_pool():
+    """The C++ path runs a product of at most 2^18 multiply-adds on the calling thread, unless
+    B has GEMV_PARALLEL_MIN_ELEMENTS or more, where the few-row kernels are built parallel
+    (a one-token 512 x 512 Linear: a read of 1 MB that two threads stream faster)."""
+    from torch_tvm_gemm.schedules.cpu import GEMV_PARALLEL_MIN_ELEMENTS
+
+    assert EXT.serial_product(16, 16, 16) and EXT.serial_product(64, 64, 64)
+    assert not EXT.serial_product(64, 64, 65)  # past 2^18 multiply-adds
+    for m, n, k in [(1, 256, 256), (1, 256, 512), (1, 512, 512), (2, 256, 512), (4, 128, 512)]:
+        big_b = n * k >= GEMV_PARALLEL_MIN_ELEMENTS
+        assert EXT.serial_product(m, n, k) == (m * n * k <= 1 << 18 and not big_b), (m, n, k)
+    x, w, b = randn(1, 512), randn(512, 512), randn(512)
+    assert_close(lin(x, w, b, "none"), x.double() @ w.double().T + b.double(), 512)
+
+
 # --- safety: threads, leaks, switches ---------------------------------------------------------
 
 
