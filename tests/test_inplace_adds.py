@@ -15,7 +15,7 @@ from test_convert import bn
 from torch import nn
 
 import torch_tvm_gemm as tg
-from torch_tvm_gemm.inplace_adds import add_into, mul_into
+from torch_tvm_gemm.inplace_adds import _broadcasts_to, add_into, mul_into
 
 
 class Bottleneck(nn.Module):
@@ -223,3 +223,30 @@ def test_mul_into_writes_only_when_the_result_is_the_same():
     assert out.data_ptr() != fresh.data_ptr()
     out.sum().backward()
     assert leaf.grad is not None
+
+
+@pytest.mark.parametrize(
+    "shape, target",
+    [
+        ((3, 4), (2, 3, 4)),
+        ((2, 3, 4), (2, 3, 4)),
+        ((1, 4), (3, 4)),
+        ((4,), (3, 4)),
+        ((), (3,)),
+        ((3, 1), (3, 4)),
+        ((1,), (0,)),
+        ((0,), (1,)),
+        ((3, 4), (4,)),
+        ((2, 4), (3, 4)),
+        ((1, 1, 4), (3, 4)),
+        ((3, 4), (3, 1)),
+    ],
+)
+def test_broadcasts_to_agrees_with_torch(shape, target):
+    """The in-place check's shape rule: ``other`` may go into ``fresh`` exactly when torch
+    broadcasts the two to ``fresh``'s shape."""
+    try:
+        want = torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:  # not broadcastable at all
+        want = False
+    assert _broadcasts_to(torch.Size(shape), torch.Size(target)) == want
