@@ -118,6 +118,37 @@ def test_dot_variant_range():
         assert gemm_spec("bfloat16", 64, 768, 768, "kn").variant == "gemm"
 
 
+def test_kn_gemv_range():
+    """bf16 with B (K, N) (a Conv1D weight, a product of two activations): the gemv (fp32
+    math) up to BF16_GEMV_MAX_M rows on an AMX CPU, then the tiles' packed kernel, as on
+    vdpbf16ps; GEMV_MAX_M rows where bf16 has no such kernel."""
+    amx = dataclasses.replace(CPU, features=CPU.features | {"amx_tile", "amx_bf16"})
+    plain = CpuInfo("x86_64", "", frozenset({"avx512f", "avx2", "fma"}))
+    if amx.amx_bf16:
+        assert cpu.bf16_gemv_max_m(amx) == cpu.BF16_GEMV_MAX_M
+    assert cpu.bf16_gemv_max_m(plain) == cpu.GEMV_MAX_M
+    if CPU.amx_bf16:
+        for static_k in (True, False):
+            variants = [
+                gemm_spec("bfloat16", m, 2304, 768, "kn", static_k=static_k).variant
+                for m in (1, cpu.BF16_GEMV_MAX_M, cpu.BF16_GEMV_MAX_M + 1, 8)
+            ]
+            assert variants == ["gemv", "gemv", "gemm", "gemm"]
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [cpu.BF16_GEMV_MAX_M + 1, 7, 16])
+def test_kn_few_rows_on_tiles(m):
+    """A few rows against B (K, N) on the tiles' packed kernel: a Conv1D-style linear (the
+    weight read through its transpose), with bias and activation, and a product of two
+    activations (K symbolic)."""
+    k, n = 96, 200
+    x, w, b = randn(m, k, dtype=BF16), randn(k, n, dtype=BF16), randn(n, dtype=BF16)
+    assert gemm_spec("bfloat16", m, n, k, "kn").variant == "gemm"
+    assert_close(tg.linear(x, w.t(), b, "gelu"), reference(x, w.t(), b, "gelu"), k)
+    assert_close(tg.matmul(x, w), (x.double() @ w.double()).to(BF16), k)
+
+
 @needs_amx
 @pytest.mark.parametrize("m", [3, 33, 64, 127])
 @pytest.mark.parametrize(

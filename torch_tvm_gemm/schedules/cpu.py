@@ -178,14 +178,22 @@ def bf16_dot_max_m(cpu: CpuInfo | None = None) -> int:
 # 3072, 768 x 768, 4096 x 4096): M = 2 1.69 / 0.93, 1.34 / 0.92, 2.18 / 1.63, 2.86 / 1.00;
 # M = 3 1.00 / 0.90, 0.82 / 0.89, 1.48 / 1.62, 3.48 / 1.07; M = 4 0.86 / 1.00, 0.71 / 0.92,
 # 1.14 / 1.57, 1.77 / 1.06; M = 8 0.58 / 1.00, 0.48 / 1.01, 0.71 / 1.68; M = 16 0.38 / 0.95,
-# 0.33 / 0.93, 0.46 / 1.36.
+# 0.33 / 0.93, 0.46 / 1.36. The same on AMX tiles (the packed kernel of cpu_amx; 2 threads,
+# Intel Xeon Emerald Rapids, K static (a Conv1D weight), against torch.addmm bf16, N x K =
+# 2304 x 768, 768 x 768, 3072 x 768, 768 x 3072): M = 2 1.90 / 1.28, 1.86 / 1.38, 2.01 /
+# 1.41, 2.01 / 1.17; M = 4 1.19 / 1.25, 1.13 / 1.25, 1.32 / 1.44, 1.23 / 1.15; M = 8 0.67 /
+# 1.21, 0.68 / 1.33, 0.73 / 1.34, 0.62 / 1.02; M = 16 0.41 / 1.31, 0.43 / 1.41, 0.46 / 1.43,
+# 0.39 / 1.12.
 BF16_GEMV_MAX_M = 3
 
 
 def bf16_gemv_max_m(cpu: CpuInfo | None = None) -> int:
     """The largest M of the "gemv" variant for a bf16 "kn" product with a symbolic or even K
-    on this CPU (ops/impls.py hands it to csrc/ too)."""
-    return BF16_GEMV_MAX_M if cpu_avx512_bf16.available(cpu or host_cpu()) else GEMV_MAX_M
+    on this CPU (ops/impls.py hands it to csrc/ too): BF16_GEMV_MAX_M where the packed kernel
+    computes in bf16 (AMX tiles or vdpbf16ps), else GEMV_MAX_M."""
+    cpu = cpu or host_cpu()
+    native = cpu.amx_bf16 or cpu_avx512_bf16.available(cpu)
+    return BF16_GEMV_MAX_M if native else GEMV_MAX_M
 
 
 def amx_dot_limits(cpu: CpuInfo | None = None) -> tuple[int, int]:
