@@ -253,16 +253,26 @@ def test_ksplit_kernel_refuses_a_larger_m():
         kernel(x, w, out)
 
 
-def test_linear_gemv_odd_n():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [512, 77])
+def test_linear_gemv_odd_n(dtype, k):
     # M = 1 with N off the gemv's 4-output groups, on a weight big enough for both threads
-    # (as GPT-2's lm_head, N = 50257): the padded outputs are computed, never stored.
+    # (as GPT-2's lm_head, N = 50257): the padded outputs are computed, never stored. The
+    # prefetching kernel (cpu_gemv) in both dtypes (bf16: fp32 sums, rounded once), a K off
+    # the vectors too (its last values in lane 0); a NaN stays in its output.
     from torch_tvm_gemm.runtime import table
+    from torch_tvm_gemm.schedules import cpu_gemv
 
-    x, w, b = randn(1, 512), randn(301, 512), randn(301)
+    x, w, b = randn(1, k, dtype=dtype), randn(301, k, dtype=dtype), randn(301, dtype=dtype)
+    w[7, k - 1] = float("nan")
     table.clear_table()
     out = tg.linear(x, w, b, "relu")
-    assert [(s.variant, s.b_layout) for s in table._table] == [("gemv", "nk")]
-    assert_close(out, reference(x, w, b, "relu"), 512)
+    specs = list(table._table)
+    assert [(s.variant, s.b_layout) for s in specs] == [("gemv", "nk")]
+    assert cpu_gemv.applies(specs[0])
+    assert torch.isnan(out[0, 7]) and torch.isnan(out).sum() == 1
+    want = reference(x, w, b, "relu").to(dtype)
+    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(dtype, k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
