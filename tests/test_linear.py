@@ -303,6 +303,29 @@ def test_linear_two_rows(dtype, act, k):
     assert gemm_variant(2, 4096, 15, "nk") == "gemv" and gemm_variant(3, 4096, 15, "nk") == "gemm"
 
 
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu", "relu"])
+@pytest.mark.parametrize("m", [2, 8, 17])
+def test_dot_epilogue_in_vectors(m, act):
+    # The dot kernels run a polynomial activation as a loop of its own over each row's
+    # vectors (N = 103: 6 whole vectors and 7 values apart), a ReLU at each tile as before;
+    # a NaN stays in its row.
+    spec = gemm_spec("float32", m, 103, 800, "nk", bias=True, activation=act)
+    assert spec.variant == ("dot2" if m == 2 else "dot")
+    script = cpu_schedules.schedule_gemm(spec, host_cpu()).script()
+    lines = script.splitlines()
+    vectorized_out = any(
+        "T.vectorized" in line and 'sblock("out' in after
+        for line, after in zip(lines[:-1], lines[1:], strict=True)
+    )
+    assert vectorized_out == (act in cpu_schedules.VECTOR_EPILOGUES)
+    x, w, b = randn(m, 800), randn(103, 800), randn(103)
+    x[1, 5] = float("nan")
+    out = tg.linear(x, w, b, act)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    want = torch_activation(act)(F.linear(x.double(), w.double(), b.double()))
+    torch.testing.assert_close(out, want.float(), equal_nan=True, **tolerance(torch.float32, 800))
+
+
 @pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (8, 383, "gemm"), (8, 384, "dot"),
                                          (4, 191, "gemm"), (4, 192, "dot"), (2, 48, "dot2"),
                                          (20, 767, "gemm"), (20, 768, "dot"),
