@@ -46,7 +46,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 40  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 41  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -718,7 +718,7 @@ def _transpose_in_tiles(sch, b_pad, vec: int, in_registers: bool = False):
         sch.tensorize(n1, cpu_transpose.intrinsic())
         return k0, None
     if k_extent is not None and k_extent > vec and k_extent % vec:
-        whole = _k_tail_apart(sch, k0, k_extent, vec)
+        whole = _tail_apart(sch, k0, k_extent, vec)
         rows, lanes = sch.get_loops(sch.get_child_blocks(whole)[-1])[-2:]
         sch.unroll(rows)
         sch.vectorize(lanes)
@@ -894,7 +894,7 @@ def _schedule_dot_nk(sch, spec: GemmSpec, vec: int, tile: tuple[int, int]) -> No
         sch.parallel(jo)
     sch.decompose_reduction(rf, ko)
     if spec.k is not None and spec.k > vec and spec.k % vec:  # (see DOT_K_MULTIPLE)
-        _k_tail_apart(sch, sch.get_loops(rf)[-4], spec.k, vec)  # (rf: the update block now)
+        _tail_apart(sch, sch.get_loops(rf)[-4], spec.k, vec)  # (rf: the update block now)
     if vector_epilogue:
         _epilogue_in_vectors(sch, spec, out, vec, parallel)
 
@@ -916,21 +916,22 @@ def _epilogue_in_vectors(sch, spec: GemmSpec, out, vec: int, parallel: bool) -> 
     rows, cols = sch.get_loops(out)
     vectors, lanes = sch.split(cols, [None, vec])
     if spec.n % vec:
-        whole, _ = sch.loop_partition(vectors, [spec.n // vec, None])
+        whole = _tail_apart(sch, vectors, spec.n, vec)
         lanes = sch.get_loops(sch.get_child_blocks(whole)[-1])[-1]
     sch.vectorize(lanes)
     if parallel:
         sch.parallel(rows)
 
 
-def _k_tail_apart(sch, vectors, k: int, vec: int):
-    """Split ``vectors``, a loop over a static K's vectors (VEC lanes, the innermost loop of
-    its body), into the whole vectors and the last K % VEC values, a value a step: with one
-    loop the last vector's bounds test sat in every vector's loop, which then ran a lane at
-    a time. Returns the whole vectors' loop (a loop_partition drops its loop's annotations)."""
-    whole, last = sch.loop_partition(vectors, [k // vec, None])
+def _tail_apart(sch, vectors, extent: int, vec: int):
+    """Split ``vectors``, a loop over the vectors of a static extent (K, or a row's N; VEC
+    lanes, the innermost loop of its body), into the whole vectors and the last extent % VEC
+    values, a value a step: with one loop the last vector's bounds test sat in every
+    vector's loop, which then ran a lane at a time. Returns the whole vectors' loop (a
+    loop_partition drops its loop's annotations)."""
+    whole, last = sch.loop_partition(vectors, [extent // vec, None])
     lanes = sch.get_loops(sch.get_child_blocks(last)[-1])[-1]
-    sch.loop_partition(lanes, [k % vec, None])  # (lanes past K: a test that is false, dropped)
+    sch.loop_partition(lanes, [extent % vec, None])  # (lanes past the extent: a false test)
     return whole
 
 
