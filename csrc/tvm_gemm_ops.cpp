@@ -113,6 +113,11 @@ struct Config {
   // "swap2" (kVariants[8]; float32 "nk", static K, two panels of x): the same four bounds
   // (schedules/cpu.py SWAP2_*, swap_max_k); max_m 0: never.
   OnePanelSwap swap2{};
+  // "rows" (kVariants[9]; float32, static K, either layout): M in [min_m, max_m], N <= max_n,
+  // K <= max_k (schedules/cpu.py ROWS_* and rows_max_k); max_m 0: never.
+  struct {
+    int64_t min_m = 0, max_m = 0, max_n = 0, max_k = 0;
+  } rows;
   // "ksplit" (float32 "kn", static K): M in [1, max_m], N >= min_n and a multiple of
   // n_multiple (schedules/cpu.py KSPLIT_*); max_m 0: never.
   struct {
@@ -200,8 +205,8 @@ template <typename... Args>
 // handle Python gave us.
 
 // GemmSpec.variant names, indexed by KernelKey::variant.
-constexpr std::array<const char*, 9> kVariants{
-    {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32", "swap48", "swap2"}};
+constexpr std::array<const char*, 10> kVariants{
+    {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32", "swap48", "swap2", "rows"}};
 
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
@@ -248,6 +253,11 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   if (!b_nk && big_b && fp32 && static_k && m >= 1 && m <= ksplit.max_m && n >= ksplit.min_n &&
       n % ksplit.n_multiple == 0) {
     return 5;
+  }
+  const auto& rows = g_config.rows;
+  if (big_b && fp32 && static_k && m >= rows.min_m && m <= rows.max_m && n <= rows.max_n &&
+      k <= rows.max_k) {
+    return 9;
   }
   if (b_nk && big_b && !whole_k) return m <= (bf16 ? tail.bf16_max_m : tail.max_m) ? 1 : 0;
   const bool bf16_packed = bf16 && (!static_k || k % 2 == 0);
@@ -964,7 +974,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m,
                     int64_t bf16_gemv_max_m, const std::vector<int64_t>& k_tail,
                     const std::vector<int64_t>& dot_short_rows,
-                    const std::vector<std::string>& conv_epilogues) {
+                    const std::vector<std::string>& conv_epilogues,
+                    const std::vector<int64_t>& rows) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
   TORCH_CHECK(kernel_alignment > 0 && (kernel_alignment & (kernel_alignment - 1)) == 0,
               "tvm_gemm: the kernel alignment must be a power of two, got ", kernel_alignment);
@@ -1000,6 +1011,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(swap2.empty() || swap2.size() == 4,
               "tvm_gemm: swap2 must be (min_m, max_m, min_n, max_k)");
   if (!swap2.empty()) config.swap2 = {swap2[0], swap2[1], swap2[2], swap2[3]};
+  TORCH_CHECK(rows.empty() || rows.size() == 4,
+              "tvm_gemm: rows must be (min_m, max_m, max_n, max_k)");
+  if (!rows.empty()) config.rows = {rows[0], rows[1], rows[2], rows[3]};
   config.activations = activations;
   config.linear_activations = static_cast<int64_t>(activations.size());
   config.activations.insert(config.activations.end(), conv_epilogues.begin(),
@@ -1079,6 +1093,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16_gemv_max_m") = -1, py::arg("k_tail") = std::vector<int64_t>{},
         py::arg("dot_short_rows") = std::vector<int64_t>{},
         py::arg("conv_epilogues") = std::vector<std::string>{},
+        py::arg("rows") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"
         "(register_autograd: call after it), a C++ no-grad fast path. The constants come from\n"
         "the Python side.");

@@ -276,6 +276,9 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     nks += [(768, 16384)]  # bf16 on AMX: x of 64 rows at the L2 size of 2 MB (amx_dot_limits)
     nks += [(cpu.KSPLIT_MIN_N, 768), (cpu.KSPLIT_MIN_N - 16, 768), (cpu.KSPLIT_MIN_N + 8, 768)]
     ms += [cpu.KSPLIT_MAX_M, cpu.KSPLIT_MAX_M + 1]
+    ms += [cpu.ROWS_MIN_M - 1, cpu.ROWS_MIN_M, cpu.ROWS_MAX_M, cpu.ROWS_MAX_M + 1]  # "rows"
+    nks += [(cpu.ROWS_MAX_N, 768), (cpu.ROWS_MAX_N + 1, 768)]
+    nks += [(768, cpu.rows_max_k()), (768, cpu.rows_max_k() + 1)]
     for m in (4, 8):  # "dot" needs K >= DOT_K_PER_ROW * M (at most DOT_MIN_K_CAP)
         ms.append(m)
         nks += [(1152, cpu.DOT_K_PER_ROW * m - 1), (1152, cpu.DOT_K_PER_ROW * m)]
@@ -300,6 +303,7 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     finally:
         ops.use_impl(previous)
     assert not disagree, disagree
+    rows = {"rows"} if cpu.rows_max_k() else set()  # (CPUs with 32 vector registers)
     assert {ops.gemm_spec("float32", m, n, n, "nk").variant for m in ms for n in (64, 768)} == {
         "gemv",
         "dot2",
@@ -308,12 +312,12 @@ def test_cpp_table_key_follows_gemm_spec_variant():
         "swap48",
         "swap",
         "gemm",
-    }  # the sweep reaches every variant
+    } | rows  # the sweep reaches every variant
     assert {ops.gemm_spec("float32", m, 1024, 64, "kn").variant for m in ms} == {
         "ksplit",
         "gemv",
         "gemm",
-    }
+    } | rows
 
 
 @needs_ext

@@ -101,13 +101,15 @@ def test_packed_task_order_rule():
 def test_packed_n_off_the_vectors(n, layout, m, dtype):
     # N not a whole number of vectors (a 1000-class head, GPT-2's 50257), in halves of the
     # panels: each tile's store is split, a copy without the column bound for the panels
-    # below N, over one chunk of rows and several. The kernel's output starts as NaN: every
-    # value must be written.
+    # below N, over one chunk of rows and several; at M = 1100 float32 takes the halves of the
+    # rows ("rows"), whose stores are split the same way. The kernel's output starts as NaN:
+    # every value must be written.
     from torch_tvm_gemm.runtime.table import get_kernel
 
     k = 96
     spec = gemm_spec(str(dtype).split(".")[1], m, n, k, layout, bias=True, activation="relu")
-    assert spec.variant == "gemm"
+    rows = m >= cpu_schedules.ROWS_MIN_M and dtype == torch.float32 and cpu_schedules.rows_max_k()
+    assert spec.variant == ("rows" if rows else "gemm")
     if dtype == torch.float32 and host_cpu().vector_registers >= 32:
         assert cpu_tile_store.splits(cpu_schedules.schedule_gemm(spec))
     x, w, b = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype), randn(n, dtype=dtype)
@@ -194,12 +196,20 @@ def test_linear_with_the_pack_transposed_in_registers(m, k, n):
 def test_linear_packed_over_several_chunks(m, k, n):
     """The packed kernel past one chunk of A (uneven last chunks): in halves of the panels (an
     odd count: 5) and in the order (chunk, panel) (N = 330 is no whole number of vectors),
-    A read in place or (257 panels) copied into row tiles first."""
-    spec = gemm_spec("float32", m, n, k, "nk")
-    assert spec.variant == "gemm"
+    A read in place or (257 panels) copied into row tiles first. (The op takes the halves of
+    the rows, "rows", at most of these M: the "gemm" kernel is called directly as well.)"""
+    from torch_tvm_gemm.runtime.table import get_kernel
+
+    spec = gemm_spec("float32", m, n, k, "nk", bias=True, activation="relu")
+    assert spec.variant in ("gemm", "rows")
+    spec = dataclasses.replace(spec, variant="gemm")
     assert cpu_schedules.packs_a(spec, 64) == (n >= 64 * cpu_schedules.A_PACK_MIN_PANELS)
     x, w, b = randn(m, k), randn(n, k), randn(n)
-    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), k)
+    expected = reference(x, w, b, "relu")
+    out = torch.full((m, n), float("nan"))
+    get_kernel(spec)(x, w, b, out)
+    assert_close(out, expected, k)
+    assert_close(tg.linear(x, w, b, "relu"), expected, k)
     wt = randn(k, n)
     assert_close(tg.matmul(x, wt), x.double() @ wt.double(), k)
 
@@ -522,6 +532,53 @@ def test_one_panel_swap_variant_rule():
     assert gemm_variant(32, 60, 60, "nk") == "gemm"  # a weight under 4096 elements
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "act"),
+    [
+        (512, 100, 77, "relu"),
+        (517, 64, 768, "gelu"),
+        (1031, 1000, 77, "none"),
+        (2064, 33, 130, "relu"),
+    ],
+)
+def test_linear_rows_variant(m, n, k, act):
+    # From ROWS_MIN_M rows each thread takes half of the rows of x: M is padded to two register
+    # tiles, so an odd M leaves the second half a partial tile; N off the panels and the
+    # vectors, K off the vectors; a NaN in the last row stays in its row.
+    if not cpu_schedules.rows_max_k():
+        pytest.skip("the rows variant needs 32 vector registers")
+    check_swap(m, n, act, k, variant="rows")
+
+
+def test_linear_kn_weight_rows_variant():
+    # A weight stored (K, N) (GPT-2's Conv1D, passed transposed) takes the row halves too.
+    from torch_tvm_gemm.runtime import table
+
+    if not cpu_schedules.rows_max_k():
+        pytest.skip("the rows variant needs 32 vector registers")
+    x, w_kn, b = randn(601, 90), randn(90, 130), randn(130)
+    table.clear_table()
+    out = tg.linear(x, w_kn.t(), b, "gelu")
+    assert [(s.variant, s.b_layout) for s in table._table] == [("rows", "kn")]
+    assert_close(out, reference(x, w_kn.t(), b, "gelu"), 90)
+
+
+def test_rows_variant_rule():
+    lo, hi, max_k = cpu_schedules.ROWS_MIN_M, cpu_schedules.ROWS_MAX_M, cpu_schedules.rows_max_k()
+    if not max_k:
+        pytest.skip("the rows variant needs 32 vector registers")
+    ms = (lo - 1, lo, 1024, hi, hi + 1)
+    assert [gemm_variant(m, 768, 768, "nk") for m in ms] == ["gemm"] + ["rows"] * 3 + ["gemm"]
+    assert gemm_variant(1024, 768, 768, "kn") == "rows"
+    assert gemm_variant(1024, 768, max_k, "nk") == "rows"
+    assert gemm_variant(1024, 768, max_k + 1, "nk") == "gemm"  # (K chunks)
+    assert gemm_variant(1024, cpu_schedules.ROWS_MAX_N, 768, "nk") == "rows"
+    assert gemm_variant(1024, cpu_schedules.ROWS_MAX_N + 1, 768, "nk") == "gemm"  # (A copied)
+    assert gemm_variant(1024, 768, 768, "nk", dtype="float64") == "gemm"
+    assert gemm_variant(1024, 768, 768, "nk", static_k=False) == "gemm"
+    assert gemm_variant(1024, 768, 768, "nk", device="cuda") == "gemm"
+
+
 def test_swap_needs_avx512():
     from torch_tvm_gemm.schedules import cpu
     from torch_tvm_gemm.target import CpuInfo
@@ -530,6 +587,7 @@ def test_swap_needs_avx512():
     avx512 = CpuInfo("x86_64", "", frozenset({"avx2", "fma", "avx512f"}), 2 << 20)
     assert cpu.swap_max_k(avx2) == 0  # 6 x 64 accumulators would not fit 16 registers
     assert cpu.swap_max_k(avx512) == 4096
+    assert cpu.rows_max_k(avx2) == 0 and cpu.rows_max_k(avx512) == 4096
 
 
 @pytest.mark.parametrize("m,n", [(1, 1), (20, 2), (300, 70), (32, 4096), (60, 5000)])

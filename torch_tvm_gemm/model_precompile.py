@@ -57,7 +57,7 @@ def precompile(
     ``workers`` compile workers at once (default: the usable cores, or
     ``TVM_GEMM_BUILD_WORKERS``). Afterwards calls of those shapes build nothing; another
     batch size or sequence length uses the same kernels (M is symbolic) except across the
-    small-M variants (``ops.gemm_spec``), and a backward pass may need more (built on first
+    M-range variants (``ops.gemm_spec``), and a backward pass may need more (built on first
     use). Returns a ``PrecompileSummary``; a kernel that fails to build raises
     ``KernelBuildError`` naming each one, after the others are ready.
     """

@@ -160,6 +160,12 @@ def use_impl(path: str) -> str:
                 cpu_schedules.SWAP2_MIN_N,
                 cpu_schedules.swap_max_k(),
             ],
+            rows=[
+                cpu_schedules.ROWS_MIN_M,
+                cpu_schedules.ROWS_MAX_M,
+                cpu_schedules.ROWS_MAX_N,
+                cpu_schedules.rows_max_k(),
+            ],
         )
         cpp_keys = list(ext.dispatch_keys())
     py_keys = [key for key in PY_IMPL_KEYS if key not in cpp_keys]

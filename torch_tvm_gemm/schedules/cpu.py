@@ -31,6 +31,11 @@ and from two panels on the packed kernel is as fast or faster (M = 120, 128: 0.8
 torch against 0.95-1.10x). "swap32" (M from 24 to 32) and "swap48" (M from 40 to 48) are the
 same kernel with one panel of 32 / 48 rows and tiles of 12 / 8 columns by the panel's rows.
 
+"rows" (float32, static K, M from 512 to 2064): the packed kernel with its parallel tasks
+split by rows instead: each thread takes half of the rows of A (M padded to two register
+tiles, so the halves are whole tiles) and every panel of B, which it packs itself
+(``ROWS_MIN_M``).
+
 A static K past the L2 threshold (``k_chunk``) runs the packed kernel over K chunks
 (``kernels/gemm_kblocked.py``).
 
@@ -46,7 +51,7 @@ from ..target import CpuInfo, host_cpu
 from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 41  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 42  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -231,7 +236,7 @@ def gemm_variant(
 ) -> str:
     """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot",
     "swap32", "swap48", "swap", "swap2" (its kernel or the packed one, whichever runs faster
-    here: runtime/variant_choice.py) or "gemm"."""
+    here: runtime/variant_choice.py), "rows" or "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
     if nk and dtype == "float32" and static_k:
@@ -258,6 +263,8 @@ def gemm_variant(
     kn = device == "cpu" and b_layout == "kn" and big_b
     if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
         return "ksplit"
+    if device == "cpu" and big_b and dtype == "float32" and static_k and _rows_fits(m, n, k):
+        return "rows"
     if nk and not whole_k:  # (see DOT_K_MULTIPLE)
         tail_max_m = KTAIL_BF16_GEMV_MAX_M if dtype == "bfloat16" else KTAIL_GEMV_MAX_M
         return "gemv" if m <= tail_max_m else "gemm"
@@ -286,6 +293,21 @@ def _swap_fits(m: int, n: int, k: int) -> bool:
 
 def _swap2_fits(m: int, n: int, k: int) -> bool:
     return SWAP2_MIN_M <= m <= SWAP2_MAX_M and n >= SWAP2_MIN_N and k <= swap_max_k()
+
+
+def _rows_fits(m: int, n: int, k: int) -> bool:
+    return ROWS_MIN_M <= m <= ROWS_MAX_M and n <= ROWS_MAX_N and k <= rows_max_k()
+
+
+def rows_max_k(cpu: CpuInfo | None = None) -> int:
+    """The longest K of the "rows" variant: one pass over K with the 6 x 4-vector tile (the
+    packed kernel's tile up to half of the L2, ``register_tile``); 0 (never) on a CPU with
+    fewer than 32 vector registers (not measured there)."""
+    cpu = cpu or host_cpu()
+    if cpu.vector_registers < 32:
+        return 0
+    vec = cpu.vector_bytes // 4
+    return cpu.l2_bytes // 2 // (4 * vec * 4)
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -381,10 +403,12 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             sch = s_tir.Schedule(gemm_compute(spec, 1, GEMV_NK_ROWS))
             _schedule_gemv_nk(sch, spec, vec)
     else:
-        sch = s_tir.Schedule(gemm_compute(spec, mr, nr))
+        m_pad = 2 * mr if spec.variant == "rows" else mr  # (see _schedule_packed)
+        sch = s_tir.Schedule(gemm_compute(spec, m_pad, nr))
         pack_loops = _schedule_packed(sch, spec, mr, nr, vec)
         mod = cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
-        if spec.n % vec and task_order(spec, nr, vec)[0] > 1:  # (see task_order)
+        # (see task_order; the "rows" variant's tile stores too)
+        if spec.n % vec and (spec.variant == "rows" or task_order(spec, nr, vec)[0] > 1):
             mod = cpu_tile_store.split_full_panels(mod, spec.n, nr)
         return mod
     return sch.mod
@@ -505,6 +529,25 @@ M_CHUNK_ROWS = 516
 LONG_CHUNK_ROWS, LONG_CHUNK_MAX_K = 1032, 2048
 SHORT_CHUNK_ROWS = 258
 
+# The "rows" variant: from ROWS_MIN_M rows the tasks are (half of the rows of A, panel), a
+# thread each half, every thread packing all of B for itself. In a model, A is the output of
+# the op before (a LayerNorm, an RMSNorm), written half by each thread; with half of the panels
+# each, a thread reads the other thread's half of A from the other core. Kernels alone, A
+# fresh from F.rms_norm at each call, 2 threads, Intel Xeon (Emerald Rapids), against F.linear
+# (= 1), halves of the panels -> halves of the rows: M = 1024, N x K = 512 x 512 0.81-0.85x ->
+# 0.97-1.03x, 768 x 768 0.89-0.94x -> 0.95-1.04x, 1376 x 512 0.89-0.96x -> 0.92-0.96x,
+# 512 x 1376 0.94-1.02x -> 0.95-1.04x, 768 x 3072 0.81x -> 0.99x, 3072 x 768 0.94x -> 0.98x,
+# 4096 x 4096 0.95x either way; M = 512 and 600: 512 x 512 0.92 / 0.88x -> 1.00 / 1.03x,
+# 768 x 768 0.90 / 0.94x -> 1.10 / 1.06x; M = 1536 and 2048 +2% to +15%; "kn" (GPT-2's
+# Conv1D) M = 512-1024 +0 to +9%. Where A stays hot (one input, no op before): within -3% to
+# +5%. Not below ROWS_MIN_M: each thread packs the whole weight, which at M = 128-256 costs
+# more than it wins (M = 128: 768 x 3072 0.96x -> 0.87x, 4096 x 4096 1.01x -> 0.80x). Not past
+# ROWS_MAX_M, where a half of A no longer stays in the L2 (not measured), nor for vocabulary
+# projections, whose copy of A wins (``packs_a``: N = 50257, K = 768, M = 600 / 1024 0.92 /
+# 1.09x -> 0.80 / 1.00x): N up to ROWS_MAX_N.
+ROWS_MIN_M, ROWS_MAX_M = 512, 2 * LONG_CHUNK_ROWS
+ROWS_MAX_N = (A_PACK_MIN_PANELS - 1) * 64  # (64: the AVX-512 panel)
+
 
 def task_order(spec: GemmSpec, nr: int, vec: int) -> tuple[int, int]:
     """(halves, rows of A per chunk) of the packed kernel's tasks (see above)."""
@@ -516,24 +559,35 @@ def task_order(spec: GemmSpec, nr: int, vec: int) -> tuple[int, int]:
 
 def _schedule_packed(sch, spec: GemmSpec, mr: int, nr: int, vec: int):
     """Returns the pack's loops for ``cpu_pack_prefetch``: (K tiles, rows of a tile) where it
-    transposes a "nk" B, (rows, columns) where it copies a "kn" one; None at K = 1."""
+    transposes a "nk" B, (rows, columns) where it copies a "kn" one; None at K = 1. The
+    "rows" variant's tasks are (half of the rows, panel), its M padded to 2 x MR rows by
+    ``gemm_compute``; the other tasks follow ``task_order``."""
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     b_pad = _pad_operands(sch, spec, nr, mr if packs_a(spec, nr) else None)
     i, j, k = sch.get_loops(acc)
-    halves, rows = task_order(spec, nr, vec)
     io, ii = sch.split(i, [None, mr])
-    mo, io = sch.split(io, [None, max(1, rows // mr)])
     jo, ji = sch.split(j, [None, nr])
     jio, jii = sch.split(ji, [None, vec])
-    jh, jo = sch.split(jo, [halves, None])
-    sch.reorder(jh, mo, jo, io, k, ii, jio, jii)
+    if spec.variant == "rows":
+        halves = 1  # (of the panels)
+        # M padded to 2 x MR rows: the tiles split evenly in two, so no bound test is needed
+        # (TVM cannot prove that for a symbolic M and would test it in the K loop).
+        mh, io = sch.split(io, [2, None], disable_predication=True)
+        sch.reorder(mh, jo, io, k, ii, jio, jii)
+        outer = [mh, jo]
+    else:
+        halves, rows = task_order(spec, nr, vec)
+        mo, io = sch.split(io, [None, max(1, rows // mr)])
+        jh, jo = sch.split(jo, [halves, None])
+        sch.reorder(jh, mo, jo, io, k, ii, jio, jii)
+        outer = [jh, mo, jo]
     sch.reverse_compute_at(out, io)
     _store_tile_from_registers(sch, spec, out, vec)
     sch.set_scope(acc, 0, "local")
     sch.unroll(ii)
     sch.unroll(jio)
     sch.vectorize(jii)
-    task = sch.fuse(jh, mo, jo)
+    task = sch.fuse(*outer)
     sch.parallel(task)
     # Pack each panel right before its use, by the thread that uses it, while it is in
     # cache (measured +5-10% at M=256 over packing all of B first); once per chunk of A.
