@@ -113,10 +113,10 @@ struct Config {
   // "swap2" (kVariants[8]; float32 "nk", static K, two panels of x): the same four bounds
   // (schedules/cpu.py SWAP2_*, swap_max_k); max_m 0: never.
   OnePanelSwap swap2{};
-  // "rows" (kVariants[9]; float32, static K, either layout): M in [min_m, max_m], N <= max_n,
-  // K <= max_k (schedules/cpu.py ROWS_* and rows_max_k); max_m 0: never.
+  // "rows" (kVariants[9]; float32, static K, either layout): M >= min_m, N <= max_n,
+  // K <= max_k (schedules/cpu.py ROWS_* and rows_max_k); max_k 0: never.
   struct {
-    int64_t min_m = 0, max_m = 0, max_n = 0, max_k = 0;
+    int64_t min_m = 0, max_n = 0, max_k = 0;
   } rows;
   // "ksplit" (float32 "kn", static K): M in [1, max_m], N >= min_n and a multiple of
   // n_multiple (schedules/cpu.py KSPLIT_*); max_m 0: never.
@@ -255,8 +255,7 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
     return 5;
   }
   const auto& rows = g_config.rows;
-  if (big_b && fp32 && static_k && m >= rows.min_m && m <= rows.max_m && n <= rows.max_n &&
-      k <= rows.max_k) {
+  if (big_b && fp32 && static_k && m >= rows.min_m && n <= rows.max_n && k <= rows.max_k) {
     return 9;
   }
   if (b_nk && big_b && !whole_k) return m <= (bf16 ? tail.bf16_max_m : tail.max_m) ? 1 : 0;
@@ -1011,9 +1010,8 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(swap2.empty() || swap2.size() == 4,
               "tvm_gemm: swap2 must be (min_m, max_m, min_n, max_k)");
   if (!swap2.empty()) config.swap2 = {swap2[0], swap2[1], swap2[2], swap2[3]};
-  TORCH_CHECK(rows.empty() || rows.size() == 4,
-              "tvm_gemm: rows must be (min_m, max_m, max_n, max_k)");
-  if (!rows.empty()) config.rows = {rows[0], rows[1], rows[2], rows[3]};
+  TORCH_CHECK(rows.empty() || rows.size() == 3, "tvm_gemm: rows must be (min_m, max_n, max_k)");
+  if (!rows.empty()) config.rows = {rows[0], rows[1], rows[2]};
   config.activations = activations;
   config.linear_activations = static_cast<int64_t>(activations.size());
   config.activations.insert(config.activations.end(), conv_epilogues.begin(),

@@ -60,8 +60,8 @@ class GemmSpec:
     # schedule family: "gemm" (packed B, any M), "gemv" (small M), "ksplit" (CPU, layout "kn",
     # float32, M up to 4: K split among the tasks), "dot" / "dot2" (CPU, layout "nk", M from 2
     # to a few dozen / M = 2), "swap" (CPU, "nk", float32, M near 64: x packed, the weight read
-    # in place), "swap32" / "swap48" (the same, M near 32 / 48), "rows" (CPU, float32, M in
-    # the hundreds to ~2000: the packed kernel's tasks split by rows); see schedules/cpu.py
+    # in place), "swap32" / "swap48" (the same, M near 32 / 48), "rows" (CPU, float32, M
+    # from 512: the packed kernel's tasks split by rows); see schedules/cpu.py
     variant: str = "gemm"
     device: str = "cpu"
     bias_axis: str = "n"  # "n": one bias per column (Linear), "m": per row (1x1 conv)

@@ -162,7 +162,6 @@ def use_impl(path: str) -> str:
             ],
             rows=[
                 cpu_schedules.ROWS_MIN_M,
-                cpu_schedules.ROWS_MAX_M,
                 cpu_schedules.ROWS_MAX_N,
                 cpu_schedules.rows_max_k(),
             ],

@@ -31,7 +31,7 @@ and from two panels on the packed kernel is as fast or faster (M = 120, 128: 0.8
 torch against 0.95-1.10x). "swap32" (M from 24 to 32) and "swap48" (M from 40 to 48) are the
 same kernel with one panel of 32 / 48 rows and tiles of 12 / 8 columns by the panel's rows.
 
-"rows" (float32, static K, M from 512 to 2064): the packed kernel with its parallel tasks
+"rows" (float32, static K, M from 512 on): the packed kernel with its parallel tasks
 split by rows instead: each thread takes half of the rows of A (M padded to two register
 tiles, so the halves are whole tiles) and every panel of B, which it packs itself
 (``ROWS_MIN_M``).
@@ -296,7 +296,7 @@ def _swap2_fits(m: int, n: int, k: int) -> bool:
 
 
 def _rows_fits(m: int, n: int, k: int) -> bool:
-    return ROWS_MIN_M <= m <= ROWS_MAX_M and n <= ROWS_MAX_N and k <= rows_max_k()
+    return m >= ROWS_MIN_M and n <= ROWS_MAX_N and k <= rows_max_k()
 
 
 def rows_max_k(cpu: CpuInfo | None = None) -> int:
@@ -541,11 +541,18 @@ SHORT_CHUNK_ROWS = 258
 # 768 x 768 0.90 / 0.94x -> 1.10 / 1.06x; M = 1536 and 2048 +2% to +15%; "kn" (GPT-2's
 # Conv1D) M = 512-1024 +0 to +9%. Where A stays hot (one input, no op before): within -3% to
 # +5%. Not below ROWS_MIN_M: each thread packs the whole weight, which at M = 128-256 costs
-# more than it wins (M = 128: 768 x 3072 0.96x -> 0.87x, 4096 x 4096 1.01x -> 0.80x). Not past
-# ROWS_MAX_M, where a half of A no longer stays in the L2 (not measured), nor for vocabulary
-# projections, whose copy of A wins (``packs_a``: N = 50257, K = 768, M = 600 / 1024 0.92 /
-# 1.09x -> 0.80 / 1.00x): N up to ROWS_MAX_N.
-ROWS_MIN_M, ROWS_MAX_M = 512, 2 * LONG_CHUNK_ROWS
+# more than it wins (M = 128: 768 x 3072 0.96x -> 0.87x, 4096 x 4096 1.01x -> 0.80x). Nor for
+# vocabulary projections, whose copy of A wins (``packs_a``: N = 50257, K = 768, M = 600 /
+# 1024 0.92 / 1.09x -> 0.80 / 1.00x): N up to ROWS_MAX_N. Past the chunked kernel's 1032-row
+# chunks the halves still win, though a half of A no longer stays in the L2 (its rows are
+# read again for each panel from L3 either way): M = 2560 / 3000 / 4096, 512 x 512 0.86 /
+# 0.85 / 0.86x -> 0.97 / 0.94 / 0.94x, 768 x 768 0.83 / - / 0.90x -> 0.88 / - / 0.98x,
+# 768 x 3072 M = 2560 / 4096 / 8192 1.01 / 1.01 / 1.05x -> 1.10 / 1.10 / 1.04x, 4096 x 4096 at
+# M = 8192 0.99x either way; ResNet's 1x1 convs as GEMMs over the pixels, M = 3136 / 25088:
+# N x K = 256 x 64 0.90-0.93 / 0.92x -> 1.16-1.25 / 0.96x, 64 x 256 1.08-1.19 / 1.16x ->
+# 1.05-1.27 / 1.20x, 128 x 512 0.92 / 0.88x -> 0.98 / 0.96x, 512 x 128 0.91 / 0.92x -> 1.00 /
+# 0.91x.
+ROWS_MIN_M = 512
 ROWS_MAX_N = (A_PACK_MIN_PANELS - 1) * 64  # (64: the AVX-512 panel)
 
 
