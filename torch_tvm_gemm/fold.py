@@ -5,7 +5,7 @@ one TVM conv, with the BN folded into the conv's weight and bias.
 The conv and BN stay the model's (they are not submodules here, so nothing is duplicated in
 a ``state_dict``); the folded weight and bias are recomputed whenever one of their tensors
 changes through torch (``load_state_dict``, an optimizer step, ``copy_``, ``.to()``: each
-bumps the tensor's version), in the memory format the op reads in place
+bumps the tensor's version) or is replaced by another tensor, in the memory format the op reads in place
 (``conv_ops.weight_layout``: channels_last for the bf16 NHWC convs, which permuted it at
 every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward on an AMD
 EPYC; for the fp32 convs with few output pixels, a GEMM over channels-last patches; and
@@ -22,6 +22,8 @@ as plain torch ops.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +90,7 @@ class TVMConv2dBN(nn.Module):
         self.frozen = is_frozen_bn(bn)  # (eval-mode BN in training mode too: always folded)
         self._key: tuple | None = None
         self._folded: tuple[Tensor, Tensor] | None = None
+        self._seen: list[Tensor] | None = None
 
     @property
     def relu(self) -> bool:
@@ -131,20 +134,26 @@ class TVMConv2dBN(nn.Module):
             key = None
         if not plain:  # a computed tensor: fold every time
             key = None
-        if key is None or key != self._key:
+        # (and the tensors themselves: held here, a replaced one's address cannot come back
+        # as another tensor's, of the same version, while the fold made from it is kept)
+        seen = self._seen
+        same = (
+            seen is not None and len(seen) == len(tensors) and all(map(operator.is_, tensors, seen))
+        )
+        if key is None or key != self._key or not same:
             with torch.no_grad():
                 weight, bias = fold_conv_bn(conv, bn)
             # kept in the layout the op reads in place (the bf16 NHWC convs: channels_last)
             layout = weight_layout(x, weight, conv.stride, self.padding, conv.dilation,
                                    conv.groups)  # fmt: skip
             self._folded = (weight.contiguous(memory_format=layout), bias.contiguous())
-            self._key = key
+            self._key, self._seen = key, tensors
         return self._folded
 
     def refold(self) -> None:
         """Fold again at the next call (after writes torch does not count, e.g. through
         ``.data`` or numpy)."""
-        self._key = self._folded = None
+        self._key = self._folded = self._seen = None
 
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources

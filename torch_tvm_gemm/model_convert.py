@@ -60,6 +60,7 @@ from .nn import (
 )
 from .pooling import ChannelsLastMaxPool2d, swap_max_pools
 from .region_layout import restore_contiguous, runs_channels_last, to_channels_last
+from .region_links import make_links
 from .trace_guard import SideEffect, unchanged_by_trace
 
 log = logging.getLogger("torch_tvm_gemm")
@@ -158,6 +159,9 @@ class _Untraceable(Exception):
     pass
 
 
+_UNLINKED = object()
+
+
 @dataclass
 class _Traced:
     """A region's fused graph and what its trace assumed about the arguments."""
@@ -171,9 +175,12 @@ class _Traced:
     training: bool
     # Whether an NCHW input runs the graph channels-last (``region_layout``)
     channels_last: bool = False
+    # (path, module) of each module the trace called that a fusion took in (an activation,
+    # a BN, a Dropout)
+    absorbed: tuple[tuple[str, nn.Module], ...] = ()
 
     def run(self, module: nn.Module, args: tuple, kwargs: dict):
-        if module.training != self.training:
+        if module.training != self.training or not self.linked(module):
             return type(module).forward(module, *args, **kwargs)
         if not kwargs and len(args) == self.n_tensors and all(isinstance(a, Tensor) for a in args):
             return self._call(args)  # the common call: tensors only, defaults for the rest
@@ -192,6 +199,18 @@ class _Traced:
                 return type(module).forward(module, *args, **kwargs)
         return self._call(tuple(bound.arguments.values()))  # (fx renames specialised args)
 
+    def linked(self, module: nn.Module) -> bool:
+        """Point the graph at ``module``'s current layers and tensors (``region_links``);
+        False where the graph no longer stands for the module."""
+        links = self.__dict__.get("_links", _UNLINKED)
+        if links is _UNLINKED:  # (converted just now, or a copy of a converted model)
+            links = self.__dict__["_links"] = make_links(self.gm, module, self.absorbed)
+        return links is not None and links.update()
+
+    def __getstate__(self) -> dict:
+        # (the links hold the dicts of this model's modules: a copy makes its own)
+        return {key: value for key, value in self.__dict__.items() if key != "_links"}
+
     def _call(self, args: tuple):
         converted = to_channels_last(args) if self.channels_last else None
         if converted is None:
@@ -202,6 +221,16 @@ class _Traced:
 class _RegionForward:
     """The ``forward`` set on a converted region: its fused graph when the trace covers the
     call. An object rather than a bound function so that the model pickles and deep-copies."""
+
+    def __new__(cls, module: nn.Module):
+        # Each region runs its own copy of ``__call__``'s code: torch.compile keeps at most
+        # ``recompile_limit`` (8) compiled versions of one code object, and each converted
+        # model compiled in a process (or the same one after a parameter was replaced) took
+        # one of them; past eight, torch.compile(fullgraph=True) raised.
+        call = cls.__call__
+        code = call.__code__.replace()  # (a new code object: a cache of its own)
+        fresh = types.FunctionType(code, call.__globals__, call.__name__, call.__defaults__)
+        return object.__new__(type(cls.__name__, (cls,), {"__call__": fresh}))
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -384,6 +413,7 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
         return
     local: dict[str, str] = {}
     prefix = f"{fqn}." if fqn else ""
+    traced_calls = {target: gm.get_submodule(target) for target in _called(gm)}
     conv_summary = fuse_convs_in_graph(gm, fold=_live_fold, records=local, root=module)
     fused = len(conv_summary.fused)
     fused += _fuse_linears(gm, lambda target: allowed(prefix + target), local)
@@ -392,10 +422,16 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
     if fused:
         inplace_residual_adds(gm)  # (its graph runs only where something was fused)
         channels_last = runs_channels_last(gm, whole_model=fqn == "")
-        traced = _Traced(gm, signature, concrete, n_tensors, module.training, channels_last)
+        absorbed = tuple((t, m) for t, m in traced_calls.items() if t not in _called(gm))
+        traced = _Traced(gm, signature, concrete, n_tensors, module.training, channels_last,
+                         absorbed)  # fmt: skip
         module.__dict__["_tvm_traced"] = traced
         module.forward = _RegionForward(module)
         summary.regions.append(fqn or "<top>")
+
+
+def _called(gm: fx.GraphModule) -> set[str]:
+    return {node.target for node in gm.graph.nodes if node.op == "call_module"}
 
 
 def _is_layer(module: nn.Module) -> bool:
@@ -484,6 +520,9 @@ def convert(
         if what is None:
             what = _why_untouched(fqn, kind, summary)
         summary.layers[fqn] = what
+    for module in model.modules():  # (after the swap: the graphs follow the swapped layers)
+        if "_tvm_traced" in module.__dict__:
+            module.__dict__["_tvm_traced"].linked(module)
     model.conversion_summary = summary
     log.info(summary.line())
     if example_inputs is not None:
