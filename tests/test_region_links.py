@@ -158,3 +158,18 @@ def test_many_converted_models_compile():
         compiled = torch.compile(tg.convert(copy.deepcopy(eager)), fullgraph=True)
         with torch.no_grad():
             assert_close(compiled(x), eager(x))
+
+
+@pytest.mark.parametrize("cls, name", [(MLP, "fc"), (MLP, "act"), (CNN, "conv"), (CNN, "bn")])
+def test_hook_on_fused_layer_runs(cls, name):
+    """A hook on a layer that a fusion computes (the graph never calls it) still runs: the
+    region runs its own forward while the hook is there."""
+    eager, converted, x = _pair(cls)
+    handles = [
+        getattr(model, name).register_forward_hook(lambda mod, args, out: out * 2)
+        for model in (eager, converted)
+    ]
+    _check(eager, converted, x, graph=False)
+    for handle in handles:
+        handle.remove()
+    _check(eager, converted, x, graph=True)

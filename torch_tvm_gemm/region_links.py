@@ -14,7 +14,9 @@ parameters, buffers, and the parameters of the layers the fusions made), the slo
 model it comes from; for every layer it calls or took into a fusion, the slot that holds it.
 Before each call the graph is pointed at the tensors those slots hold now (a few dict lookups
 a region: ~0.1 us an object); where a layer was replaced, the region runs its module's own
-forward instead (on the swapped layers: correct, without the fusions).
+forward instead (on the swapped layers: correct, without the fusions), as it does where a
+layer that the graph computes in a fusion (a linear with its activation, a conv with its BN)
+has a forward or backward hook: the graph never calls that layer, so its hooks would not run.
 """
 
 from __future__ import annotations
@@ -57,17 +59,27 @@ class Links:
 
     follow: list[tuple[dict, dict, str]]
     guards: list[tuple[dict, str, object]]
+    # The hook dicts of the model's layers that the graph does not call (a fusion computes
+    # them): a hook registered on one would not run, so the region's own forward runs then.
+    hooks: list[dict]
 
     def update(self) -> bool:
         """Point the graph at the model's current objects; False if a layer a fusion stands
-        for, or an object the graph reads, is no longer on the model."""
+        for, or an object the graph reads, is no longer on the model, or a layer the graph
+        does not call has a hook."""
         for graph_side, model_side, key in self.follow:
             value = model_side.get(key, _MISSING)
             if value is _MISSING:
                 return False
             if graph_side.get(key) is not value:
                 graph_side[key] = value
-        return all(model_side.get(key) is obj for model_side, key, obj in self.guards)
+        if not all(model_side.get(key) is obj for model_side, key, obj in self.guards):
+            return False
+        return not any(self.hooks)
+
+    def watch_hooks(self, layer: nn.Module) -> None:
+        self.hooks += [layer._forward_hooks, layer._forward_pre_hooks]
+        self.hooks += [layer._backward_hooks, layer._backward_pre_hooks]
 
 
 def make_links(gm: fx.GraphModule, module: nn.Module, absorbed=()) -> Links | None:
@@ -75,13 +87,14 @@ def make_links(gm: fx.GraphModule, module: nn.Module, absorbed=()) -> Links | No
     where they already disagree (the model changed since the graph was made): the region
     then runs its own forward. ``absorbed``: (path, module) of each module a fusion took in (an
     activation after a linear, a BN after a conv), which must stay the model's."""
-    links = Links([], [])
+    links = Links([], [], [])
     for path, layer in absorbed:
         owner, key = _parent(module, path)
         table = _slot(owner, key) if owner is not None else None
         if table is None:
             return None
         links.guards.append((table, key, layer))
+        links.watch_hooks(layer)
     paths = None  # id -> path of the region's modules, for the layers a fusion stands for
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "get_attr"):
@@ -116,6 +129,7 @@ def make_links(gm: fx.GraphModule, module: nn.Module, absorbed=()) -> Links | No
             for key in ours._parameters:
                 links.follow.append((ours._parameters, layer._parameters, key))
             links.guards.append((model_side, name, layer))
+            links.watch_hooks(layer)
             if paths is None:
                 paths = {id(m): path for path, m in module.named_modules()}
             for source in getattr(ours, "sources", ()):  # (TVMConv2dBN: the conv and the BN)
@@ -123,6 +137,7 @@ def make_links(gm: fx.GraphModule, module: nn.Module, absorbed=()) -> Links | No
                     return None
                 owner, key = _parent(module, paths[id(source)])
                 links.guards.append((_slot(owner, key), key, source))
+                links.watch_hooks(source)
     return links
 
 
