@@ -110,3 +110,22 @@ def test_tvmlinear_repr_and_training():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("swap", ["swap_linear", "convert"])
+def test_hooks_registered_before_the_swap_still_run(swap):
+    """A swapped layer takes over the original's hooks (a pre-hook that changes the input,
+    a forward hook that records), and their handles still remove them; a hooked linear
+    and the activation after it are not fused into one call."""
+    model, x = mlp(), randn(5, 16)
+    seen = []
+    model[0].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    handle = model[2].register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,))
+    ref = model(x)
+    getattr(tg, swap)(model)
+    assert type(model[2]).__name__ == "TVMLinear" and model[2].activation == "none"
+    seen.clear()
+    assert_close(model(x), ref)
+    assert seen == [torch.Size([5, 32])]
+    handle.remove()
+    assert not model[2]._forward_pre_hooks

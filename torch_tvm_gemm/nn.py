@@ -85,6 +85,7 @@ class TVMLinear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias
         new.activation = activation
         new.train(linear.training)
+        take_hooks(new, linear)
         return new
 
     def to_linear(self) -> nn.Module:
@@ -94,6 +95,7 @@ class TVMLinear(nn.Linear):
         linear.in_features, linear.out_features = self.in_features, self.out_features
         linear.weight, linear.bias = self.weight, self.bias
         linear.train(self.training)
+        take_hooks(linear, self)
         if self.activation == "none":
             return linear
         return nn.Sequential(linear, activation_module(self.activation))
@@ -132,6 +134,7 @@ class TVMConv1D(nn.Module):
         new.weight, new.bias = conv1d.weight, conv1d.bias
         new.activation = activation
         new.train(conv1d.training)
+        take_hooks(new, conv1d)
         return new
 
     def forward(self, x: Tensor) -> Tensor:
@@ -171,6 +174,24 @@ def linear_kind(module: nn.Module) -> tuple[str | None, str]:
     return kind, ""
 
 
+def take_hooks(new: nn.Module, old: nn.Module) -> None:
+    """``new`` stands where ``old`` was: it takes over ``old``'s hooks (forward, backward,
+    state_dict), the very dicts, so that the handles the user holds still remove them."""
+    for name, value in vars(old).items():
+        if "hook" in name:
+            new.__dict__[name] = value
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward or backward hook of its own."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
 def tvm_module_for(module: nn.Module, activation: str = "none") -> nn.Module:
     """The TVM module standing in for the linear-like ``module`` (parameters shared)."""
     if is_conv1d(module):
@@ -196,11 +217,13 @@ def swap_linear(
     Swapped: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` or whose own
     forward is exactly the linear (``linear_subclasses.py``) (-> ``TVMLinear``) and
     transformers' ``Conv1D`` (-> ``TVMConv1D``); parameters are shared, not copied, so
-    tied weights stay tied and ``state_dict`` keys do not change. Not swapped: the
+    tied weights stay tied and ``state_dict`` keys do not change, and so are the layer's
+    hooks (``take_hooks``). Not swapped: the
     ``out_proj`` of an ``nn.MultiheadAttention`` (the attention reads its weight directly,
     never calls it). ``filter_fn(module, fqn)`` chooses which layers to swap (default: all).
     With ``activation_fusion``, an activation module (ReLU, GELU, tanh-GELU, SiLU) that
-    directly follows a linear inside an ``nn.Sequential`` is fused into it; that is safe there
+    directly follows a linear inside an ``nn.Sequential`` is fused into it (unless one of the
+    two has a hook); that is safe there
     because a Sequential feeds each output only to the next module. The fused activation is
     replaced by an identity that remembers it. Returns the model; ``unswap_linear`` undoes it.
     """
@@ -252,7 +275,8 @@ def _swap(module: nn.Module, prefix: str, filter_fn, fuse: bool, record, skip) -
         if fuse and isinstance(module, nn.Sequential) and idx + 1 < len(children):
             nxt_name, nxt = children[idx + 1]
             act = activation_name(nxt)
-            if act is not None:
+            # (a hook on either would see another tensor, or not run, in one fused call)
+            if act is not None and not has_hooks(child) and not has_hooks(nxt):
                 activation = act
                 setattr(module, nxt_name, _Fused(nxt))
         setattr(module, name, tvm_module_for(child, activation))
@@ -302,4 +326,5 @@ def _conv1d_back(tvm: TVMConv1D) -> nn.Module:
     conv1d.nf, conv1d.nx = tvm.nf, tvm.nx
     conv1d.weight, conv1d.bias = tvm.weight, tvm.bias
     conv1d.train(tvm.training)
+    take_hooks(conv1d, tvm)
     return conv1d
