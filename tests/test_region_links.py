@@ -173,3 +173,24 @@ def test_hook_on_fused_layer_runs(cls, name):
     for handle in handles:
         handle.remove()
     _check(eager, converted, x, graph=True)
+
+
+@pytest.mark.parametrize("cls", [MLP, CNN])
+def test_functional_call_and_grad_over_parameters(cls):
+    """torch.func.functional_call swaps the model's tensors for the call: the graph follows
+    (before, it computed with the model's own parameters), and so does torch.func.grad
+    over them."""
+    eager, converted, x = _pair(cls)
+    other = _model(cls, 1)
+    tensors = dict(other.named_parameters()) | dict(other.named_buffers())
+    with torch.no_grad():
+        want = torch.func.functional_call(eager, tensors, (x,))
+        assert_close(torch.func.functional_call(converted, tensors, (x,)), want)
+    params = {name: p.detach() for name, p in other.named_parameters()}
+
+    def loss(params, model):
+        return torch.func.functional_call(model, params, (x,)).square().sum()
+
+    want, got = torch.func.grad(loss)(params, eager), torch.func.grad(loss)(params, converted)
+    for name in params:
+        assert_close(got[name], want[name], k=64)
