@@ -194,3 +194,28 @@ def test_functional_call_and_grad_over_parameters(cls):
     want, got = torch.func.grad(loss)(params, eager), torch.func.grad(loss)(params, converted)
     for name in params:
         assert_close(got[name], want[name], k=64)
+
+
+class Residual(nn.Module):
+    """Already a TVM layer (the graph calls it as it is) whose output takes a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(16, 16), nn.ReLU()
+        self.tvm = tg.TVMLinear(16, 16)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return self.tvm(h) + h  # (written into tvm's output, in place, when nothing else reads it)
+
+
+def test_hook_sees_the_output_the_layer_returned():
+    torch.manual_seed(0)
+    eager, x = Residual().eval(), torch.randn(4, 16)
+    converted = tg.convert(copy.deepcopy(eager))
+    seen = {}
+    for key, model in (("eager", eager), ("converted", converted)):
+        model.tvm.register_forward_hook(lambda mod, args, out, key=key: seen.update({key: out}))
+        with torch.no_grad():
+            model(x)
+    assert_close(seen["converted"], seen["eager"])

@@ -33,7 +33,7 @@ from .nn import TVMConv1D, TVMLinear
 
 # Modules whose output is a tensor allocated by the op for this call (never a view of an
 # input or of a parameter).
-_FRESH_OUTPUT = (TVMConv2dBN, TVMConv2dBiasReLU, TVMLinear, TVMConv1D)
+FRESH_OUTPUT = (TVMConv2dBN, TVMConv2dBiasReLU, TVMLinear, TVMConv1D)
 _ADDS = (operator.add, torch.add)
 _MULS = (operator.mul, torch.mul)
 _RELUS = (F.relu, torch.relu)
@@ -95,7 +95,7 @@ def _fresh_source(modules: dict, node) -> bool:
     """Whether ``node`` is a TVM module's output (through transparent modules) that only
     its one user reads."""
     while isinstance(node, fx.Node) and len(node.users) == 1:
-        if node.op == "call_module" and isinstance(modules[node.target], _FRESH_OUTPUT):
+        if node.op == "call_module" and isinstance(modules[node.target], FRESH_OUTPUT):
             return True
         if not _is_transparent(modules, node):
             return False

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, fx, nn
 
+from .inplace_adds import FRESH_OUTPUT
+
 _MISSING = object()
 
 
@@ -114,8 +116,11 @@ def make_links(gm: fx.GraphModule, module: nn.Module, absorbed=()) -> Links | No
                 return None
         elif ours is theirs:
             # A layer the graph calls: not followed, since the graph may write into its
-            # output, which another layer may not allocate for the call (inplace_adds).
+            # output, which another layer may not allocate for the call (inplace_adds);
+            # nor hooked, for that write would change an output a hook has seen.
             links.guards.append((model_side, name, theirs))
+            if isinstance(theirs, FRESH_OUTPUT):
+                links.watch_hooks(theirs)
         elif node.op == "get_attr":
             if theirs is not _MISSING:
                 return None
