@@ -5,10 +5,10 @@ one TVM conv, with the BN folded into the conv's weight and bias.
 The conv and BN stay the model's (they are not submodules here, so nothing is duplicated in
 a ``state_dict``); the folded weight and bias are recomputed whenever one of their tensors
 changes through torch (``load_state_dict``, an optimizer step, ``copy_``, ``.to()``: each
-bumps the tensor's version) or is replaced by another tensor, in the memory format the op reads in place
-(``conv_ops.weight_layout``: channels_last for the bf16 NHWC convs, which permuted it at
-every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward on an AMD
-EPYC; for the fp32 convs with few output pixels, a GEMM over channels-last patches; and
+bumps the tensor's version) or is replaced by another tensor, in the memory format the op
+reads in place (``conv_ops.weight_layout``: channels_last for the bf16 NHWC convs, which
+permuted it at every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward
+on an AMD EPYC; for the fp32 convs with few output pixels, a GEMM over channels-last patches; and
 for the fp32 convs of a channels_last input; an input of another image size or memory
 format folds again). A write that torch does not count (through
 ``tensor.data`` or a numpy view of it) is not seen: call ``refold()`` after one. (Folding
