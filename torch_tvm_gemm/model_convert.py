@@ -422,7 +422,8 @@ def _convert_region(module, fqn, allowed, summary, records) -> None:
     if fused:
         inplace_residual_adds(gm)  # (its graph runs only where something was fused)
         channels_last = runs_channels_last(gm, whole_model=fqn == "")
-        absorbed = tuple((t, m) for t, m in traced_calls.items() if t not in _called(gm))
+        still_called = _called(gm)
+        absorbed = tuple((t, m) for t, m in traced_calls.items() if t not in still_called)
         traced = _Traced(gm, signature, concrete, n_tensors, module.training, channels_last,
                          absorbed)  # fmt: skip
         module.__dict__["_tvm_traced"] = traced

@@ -182,14 +182,13 @@ def take_hooks(new: nn.Module, old: nn.Module) -> None:
             new.__dict__[name] = value
 
 
+# A module's own forward and backward hooks (nn.Module keeps each kind in a dict of these names)
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 def has_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has a forward or backward hook of its own."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-    )
+    return any(getattr(module, name) for name in HOOK_DICTS)
 
 
 def tvm_module_for(module: nn.Module, activation: str = "none") -> nn.Module:

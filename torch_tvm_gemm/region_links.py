@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch import Tensor, fx, nn
 
 from .inplace_adds import FRESH_OUTPUT
+from .nn import HOOK_DICTS
 
 _MISSING = object()
 
@@ -80,8 +81,7 @@ class Links:
         return not any(self.hooks)
 
     def watch_hooks(self, layer: nn.Module) -> None:
-        self.hooks += [layer._forward_hooks, layer._forward_pre_hooks]
-        self.hooks += [layer._backward_hooks, layer._backward_pre_hooks]
+        self.hooks += [getattr(layer, name) for name in HOOK_DICTS]
 
 
 def make_links(gm: fx.GraphModule, module: nn.Module, absorbed=()) -> Links | None:
