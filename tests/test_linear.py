@@ -355,16 +355,18 @@ def test_dot_takes_rows_long_enough(m, k, variant):
 
 @pytest.mark.parametrize("m", [56, 61, 64])
 @pytest.mark.parametrize("act", ["relu", "gelu"])
-def test_linear_swap_variant(m, act):
+def test_linear_swap_variant(monkeypatch, m, act):
     # M at or just under one 64-row panel takes the "swap" kernel (x packed, the weight
     # read in place); N off its 48-row tasks, K off the vectors; a NaN stays in its row.
-    check_swap(m, 100, act)
+    check_variant(monkeypatch, m, 100, act)
 
 
-def check_swap(m, n, act, k=77, variant="swap"):
-    """linear(M x K by N x K) runs ``variant``, is close to torch, keeps a NaN in its row."""
-    from torch_tvm_gemm.runtime import table
+def check_variant(monkeypatch, m, n, act, k=77, variant="swap"):
+    """linear(M x K by N x K) runs ``variant``'s own kernel (a swap variant's forced:
+    TVM_GEMM_SWAP=1), is close to torch, keeps a NaN in its row."""
+    from torch_tvm_gemm.runtime import table, variant_choice
 
+    monkeypatch.setenv(variant_choice.ENV_SWAP, "1")
     x, w, b = randn(m, k), randn(n, k), randn(n)
     x[m - 1, 5] = float("nan")
     table.clear_table()
@@ -384,22 +386,24 @@ def check_swap(m, n, act, k=77, variant="swap"):
         (43, "gelu", "swap48"),
     ],
 )
-def test_linear_one_panel_swap_variants(m, act, variant):
+def test_linear_one_panel_swap_variants(monkeypatch, m, act, variant):
     # M within 8 rows of one panel of 32 or 48 rows: the swap kernel with that panel ("swap32":
     # 12 x 32 tiles, "swap48": 8 x 48); N off its 48-row tasks (and past swap48's least N), K
     # off the vectors; a NaN stays in its row.
     from torch_tvm_gemm.schedules import cpu
 
-    check_swap(m, max(100, cpu.ONE_PANEL_SWAPS[variant][2] + 5), act, variant=variant)
+    check_variant(
+        monkeypatch, m, max(100, cpu.ONE_PANEL_SWAPS[variant][2] + 5), act, variant=variant
+    )
 
 
 @pytest.mark.parametrize(("m", "act"), [(57, "gelu"), (64, "relu")])
-def test_linear_swap_long_k(m, act):
+def test_linear_swap_long_k(monkeypatch, m, act):
     # The longest K the swap kernel takes (its panel of x in half the L2) and one short of it,
     # off the vectors; N off the tiles; a NaN stays in its row.
     from torch_tvm_gemm.schedules import cpu
 
-    check_swap(m, 101, act, cpu.swap_max_k() - (m % 2) * 3)
+    check_variant(monkeypatch, m, 101, act, cpu.swap_max_k() - (m % 2) * 3)
 
 
 def test_swap_variant_rule():
@@ -432,45 +436,59 @@ def test_swap_variant_rule():
     assert gemm_variant(128, least_n, 768, "nk", static_k=False) == "gemm"
 
 
+SWAP_SHAPES = {  # variant -> (N, K) of a weight it takes: N off the tasks and panels, K off the vectors
+    "swap32": (100, 77),
+    "swap48": (cpu_schedules.ONE_PANEL_SWAPS["swap48"][2] + 5, 37),
+    "swap": (100, 77),
+    "swap2": (cpu_schedules.SWAP2_MIN_N + 5, 37),
+}
+
+
+@pytest.mark.parametrize("variant", list(SWAP_SHAPES))
 @pytest.mark.parametrize("setting", ["0", "1", "auto"])
-def test_linear_swap2_serves_the_chosen_kernel(monkeypatch, setting):
-    # A vocabulary-wide N at M = 120..128: TVM_GEMM_SWAP2 forces the swap kernel ("1") or the
-    # packed one ("0"), or ("auto") the faster of the two here serves the spec. Every M of the
-    # window, N off the 48-row tasks and the 64-wide panels, K off the vectors, a NaN stays
-    # in its row: the same answer whichever kernel runs.
+def test_linear_swap_serves_the_chosen_kernel(monkeypatch, variant, setting):
+    # M near one or two panels of x: TVM_GEMM_SWAP forces the swap kernel ("1") or the packed
+    # one ("0"), or ("auto") the faster of the two here serves the spec. The edges of the
+    # window of M, a NaN stays in its row: the same answer whichever kernel runs.
     from torch_tvm_gemm.runtime import table, variant_choice
 
-    monkeypatch.setenv(variant_choice.ENV_SWAP2, setting)
-    n, k = cpu_schedules.SWAP2_MIN_N + 5, 37
+    monkeypatch.setenv(variant_choice.ENV_SWAP, setting)
+    n, k = SWAP_SHAPES[variant]
     w, b = randn(n, k), randn(n)
+    least_m, most_m = cpu_schedules.swap_rows(variant)
     table.clear_table()
-    for m in (120, 121, 127, 128):
+    for m in (least_m, least_m + 1, most_m - 1, most_m):
+        assert gemm_variant(m, n, k, "nk") == variant
         x = randn(m, k)
         x[m - 2, 3] = float("nan")
         out = tg.linear(x, w, b, "gelu")
         assert torch.isnan(out[m - 2]).all() and not torch.isnan(out[: m - 2]).any()
         want = reference(x, w, b, "gelu").float()
         torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, k))
-    spec = next(spec for spec in table._table if spec.variant == "swap2")
+    spec = next(spec for spec in table._table if spec.variant == variant)
     assert len(table._table) == (1 if setting == "1" else 2)  # (+ the packed kernel's spec)
     chosen = variant_choice.chosen_variant(spec)
-    assert chosen == {"0": "gemm", "1": "swap2"}.get(setting, chosen)
-    assert chosen in ("gemm", "swap2")
+    assert chosen == {"0": "gemm", "1": variant}.get(setting, chosen)
+    assert chosen in ("gemm", variant)
     table.clear_table()
     assert variant_choice.chosen_variant(spec) is None  # forgotten with the table
 
 
-def test_swap2_keeps_the_packed_kernel_for_a_weight_too_large_to_time(monkeypatch):
+@pytest.mark.parametrize(("variant", "untimed"), [("swap2", "gemm"), ("swap", "swap")])
+def test_swap_weight_too_large_to_time(monkeypatch, variant, untimed):
+    # Past MAX_MEASURED_BYTES nothing is timed: two panels of x keep the packed kernel, one
+    # panel its own.
     from torch_tvm_gemm.runtime import table, variant_choice
 
-    monkeypatch.setenv(variant_choice.ENV_SWAP2, "auto")
+    monkeypatch.setenv(variant_choice.ENV_SWAP, "auto")
     monkeypatch.setattr(variant_choice, "MAX_MEASURED_BYTES", 0)
     monkeypatch.setattr(variant_choice, "_time_pair", None)  # (would raise if called)
-    x, w = randn(124, 16), randn(cpu_schedules.SWAP2_MIN_N, 16)
+    n, k = SWAP_SHAPES[variant]
+    x, w = randn(sum(cpu_schedules.swap_rows(variant)) // 2, k), randn(n, k)
     table.clear_table()
-    torch.testing.assert_close(tg.linear(x, w), x @ w.T, **tolerance(torch.float32, 16))
-    spec = next(spec for spec in table._table if spec.variant == "swap2")
-    assert variant_choice.chosen_variant(spec) == "gemm"
+    torch.testing.assert_close(tg.linear(x, w), x @ w.T, **tolerance(torch.float32, k))
+    spec = next(spec for spec in table._table if spec.variant == variant)
+    assert variant_choice.chosen_variant(spec) == untimed
     table.clear_table()
 
 
@@ -479,7 +497,7 @@ def test_swap2_in_a_cache_only_process_takes_the_kernel_it_has(monkeypatch):
     # variant existed): that kernel serves, unmeasured, instead of a missing-kernel error.
     from torch_tvm_gemm.runtime import table, variant_choice
 
-    monkeypatch.setenv(variant_choice.ENV_SWAP2, "auto")
+    monkeypatch.setenv(variant_choice.ENV_SWAP, "auto")
     monkeypatch.setattr(variant_choice, "_time_pair", None)  # (would raise if called)
     n, k = cpu_schedules.SWAP2_MIN_N + 11, 23
     x, w = randn(126, k), randn(n, k)
@@ -494,12 +512,12 @@ def test_swap2_in_a_cache_only_process_takes_the_kernel_it_has(monkeypatch):
     table.clear_table()
 
 
-def test_swap2_setting_is_checked(monkeypatch):
+def test_swap_setting_is_checked(monkeypatch):
     from torch_tvm_gemm.runtime import table, variant_choice
 
-    monkeypatch.setenv(variant_choice.ENV_SWAP2, "yes")
+    monkeypatch.setenv(variant_choice.ENV_SWAP, "yes")
     table.clear_table()
-    with pytest.raises(ValueError, match="TVM_GEMM_SWAP2 must be"):
+    with pytest.raises(ValueError, match="TVM_GEMM_SWAP must be"):
         tg.linear(randn(128, 16), randn(cpu_schedules.SWAP2_MIN_N, 16))
     table.clear_table()
 
@@ -541,13 +559,13 @@ def test_one_panel_swap_variant_rule():
         (2101, 33, 130, "relu"),
     ],
 )
-def test_linear_rows_variant(m, n, k, act):
+def test_linear_rows_variant(monkeypatch, m, n, k, act):
     # From ROWS_MIN_M rows each thread takes half of the rows of x: M is padded to two register
     # tiles, so an odd M leaves the second half a partial tile; N off the panels and the
     # vectors, K off the vectors; a NaN in the last row stays in its row.
     if not cpu_schedules.rows_max_k():
         pytest.skip("the rows variant needs 32 vector registers")
-    check_swap(m, n, act, k, variant="rows")
+    check_variant(monkeypatch, m, n, act, k, variant="rows")
 
 
 def test_linear_kn_weight_rows_variant():

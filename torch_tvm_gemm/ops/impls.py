@@ -148,8 +148,7 @@ def use_impl(path: str) -> str:
                 value
                 for variant in ("swap32", "swap48")
                 for value in (
-                    cpu_schedules.ONE_PANEL_SWAPS[variant][0] - cpu_schedules.SWAP_SLACK,
-                    cpu_schedules.ONE_PANEL_SWAPS[variant][0],
+                    *cpu_schedules.swap_rows(variant),
                     cpu_schedules.ONE_PANEL_SWAPS[variant][2],
                     cpu_schedules.one_panel_swap_max_k(variant),
                 )

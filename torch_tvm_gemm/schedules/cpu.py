@@ -106,15 +106,19 @@ DOT2_TILE = (2, 10)
 # 4096x4096, 1.06-1.15 -> 1.45-1.52x at N=11008 K=4096, 1.10-1.22 -> 1.16-1.31x at 768x768;
 # M=56 0.96-1.04 -> 1.17-1.24x at 4096x4096. M=48 (16 rows short) was mixed. On a 2.0 GHz
 # Intel Xeon of the same family (FMA probe 247 GFLOPS on 2 threads, no turbo), kernels alone,
-# the same comparison is 1.08-1.18 -> 0.95-1.25x (M=56-64, seven BERT/LLaMA shapes): kept for
-# the large gain on the faster machine.
+# the same comparison is 1.08-1.18 -> 0.95-1.25x (M=56-64, seven BERT/LLaMA shapes); on an
+# Emerald Rapids Xeon, weights cycled through 64 MB, it lost wherever K <= 2048 (768x768 M=56
+# 1.09 -> 0.82x, 512x512 M=64 1.15 -> 0.85x, N=3072 K=768 1.05 -> 0.94x) and won at K >= 3072
+# (N=768 K=3072 1.08 -> 1.20x, 4096x4096 1.02 -> 1.30x); the one-panel swaps below the same
+# (768x768 M=24 1.10 -> 0.86x, 512x512 M=32 1.40 -> 1.13x; 1024x1024 M=32 1.12 -> 1.41x). So
+# every swap variant stands for a choice made on the machine itself at first use, per weight
+# shape, between its kernel and the packed kernel (runtime/variant_choice.py, swap_rows).
 # Two panels (M=120-128, the weight read once per panel) won on the 3.5 GHz machine for long K
 # (N=768 K=3072 1.05 -> 1.13x, 4096x4096 1.02 -> 1.15x) and for vocabulary projections (GPT-2's
 # lm_head 0.92-0.96 -> 1.04-1.05x), but lost on the 2.0 GHz one, kernels alone, packed -> two
 # panels: N=768 K=3072 1.06-1.07 -> 0.84x, 4096x4096 1.07-1.14 -> 0.71-0.79x, N=50257 K=768
-# 1.00 -> 0.83x, N=32000 K=768 (M=120) 0.98 -> 0.80x. So no fixed rule holds on both: there
-# the "swap2" variant stands for a choice, made on the machine itself at first use
-# (runtime/variant_choice.py), between the swap kernel over two panels and the packed kernel.
+# 1.00 -> 0.83x, N=32000 K=768 (M=120) 0.98 -> 0.80x. So no fixed rule holds on both (the
+# measured choice above).
 SWAP_PANEL = 64
 SWAP_SLACK = 8
 SWAP_MIN_M, SWAP_MAX_M = SWAP_PANEL - SWAP_SLACK, SWAP_PANEL
@@ -216,6 +220,16 @@ def one_panel_swap_max_k(variant: str, cpu: CpuInfo | None = None) -> int:
     return 2 * swap_max_k(cpu) * SWAP_PANEL // rows
 
 
+def swap_rows(variant: str) -> tuple[int, int]:
+    """(least, largest) M of a swap variant ("swap", "swap2", "swap32", "swap48")."""
+    if variant == "swap":
+        return SWAP_MIN_M, SWAP_MAX_M
+    if variant == "swap2":
+        return SWAP2_MIN_M, SWAP2_MAX_M
+    rows = ONE_PANEL_SWAPS[variant][0]
+    return rows - SWAP_SLACK, rows
+
+
 def swap_max_k(cpu: CpuInfo | None = None) -> int:
     """The longest K of the "swap" variant on this CPU (ops/impls.py hands it to csrc/ too):
     0, no swap, without AVX-512, whose 6 x 4 vectors of accumulators the tile needs."""
@@ -283,8 +297,9 @@ def _amx_dot_fits(m: int, k: int) -> bool:
 
 
 def _one_panel_swap_fits(variant: str, m: int, n: int, k: int) -> bool:
-    rows, _, min_n = ONE_PANEL_SWAPS[variant]
-    return rows - SWAP_SLACK <= m <= rows and n >= min_n and k <= one_panel_swap_max_k(variant)
+    least_m, most_m = swap_rows(variant)
+    min_n = ONE_PANEL_SWAPS[variant][2]
+    return least_m <= m <= most_m and n >= min_n and k <= one_panel_swap_max_k(variant)
 
 
 def _swap_fits(m: int, n: int, k: int) -> bool:
