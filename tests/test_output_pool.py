@@ -4,6 +4,7 @@ next output of the same size, which the kernel then overwrites entirely."""
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import threading
@@ -117,6 +118,7 @@ def test_freed_output_is_reused_and_overwritten(impl):
 @needs_pool
 def test_small_outputs_are_not_pooled():
     a, b = randn(64, 32), randn(32, 64)
+    gc.collect()  # (outputs of earlier tests held in reference cycles: not this test's)
     before = tg.output_pool_stats()["live_bytes"]
     y = tg.matmul(a, b)
     assert tg.output_pool_stats()["live_bytes"] == before
@@ -193,6 +195,7 @@ def test_threads_share_the_pool():
         except Exception as err:  # noqa: BLE001 (reported below)
             errors.append(err)
 
+    gc.collect()  # (outputs of earlier tests held in reference cycles: not this test's)
     before = tg.output_pool_stats()["live_bytes"]
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
