@@ -113,10 +113,11 @@ struct Config {
   // "swap2" (kVariants[8]; float32 "nk", static K, two panels of x): the same four bounds
   // (schedules/cpu.py SWAP2_*, swap_max_k); max_m 0: never.
   OnePanelSwap swap2{};
-  // "rows" (kVariants[9]; float32, static K, either layout): M >= min_m, N <= max_n,
-  // K <= max_k (schedules/cpu.py ROWS_* and rows_max_k); max_k 0: never.
+  // "rows" (kVariants[9]; float32, static K, either layout): N <= max_n, K <= max_k, and
+  // M >= min_m or, past dot_max_m, rows_split_wins (schedules/cpu.py ROWS_*, rows_max_k);
+  // max_k 0: never.
   struct {
-    int64_t min_m = 0, max_n = 0, max_k = 0;
+    int64_t min_m = 0, max_n = 0, max_k = 0, panel = 64, pack_rows = 0;
   } rows;
   // "ksplit" (float32 "kn", static K): M in [1, max_m], N >= min_n and a multiple of
   // n_multiple (schedules/cpu.py KSPLIT_*); max_m 0: never.
@@ -211,9 +212,24 @@ constexpr std::array<const char*, 10> kVariants{
 // schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
 // On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
 // error if its variant differs (tests/test_csrc.py sweeps both rules against each other).
+// schedules/cpu.py rows_split_wins: tasks of (half of the rows, panel) against whole panels.
+bool rows_split_wins(int64_t m, int64_t n, int64_t threads) {
+  const auto& rows = g_config.rows;
+  const int64_t panels = (n + rows.panel - 1) / rows.panel;
+  const int64_t whole_panels = (panels + threads - 1) / threads * (2 * rows.pack_rows + 2 * m);
+  const int64_t halves = (2 * panels + threads - 1) / threads * (2 * rows.pack_rows + m);
+  return halves < whole_panels;
+}
+
 int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf16,
                  bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
+  const auto& rows = g_config.rows;
+  if (big_b && fp32 && static_k && n <= rows.max_n && k <= rows.max_k &&
+      (m >= rows.min_m ||
+       (m > g_config.dot_max_m && rows_split_wins(m, n, at::get_num_threads())))) {
+    return 9;
+  }
   for (size_t i = 0; i < g_config.one_panel_swaps.size(); ++i) {
     const auto& swap = g_config.one_panel_swaps[i];
     if (b_nk && big_b && fp32 && static_k && m >= swap.min_m && m <= swap.max_m &&
@@ -253,10 +269,6 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   if (!b_nk && big_b && fp32 && static_k && m >= 1 && m <= ksplit.max_m && n >= ksplit.min_n &&
       n % ksplit.n_multiple == 0) {
     return 5;
-  }
-  const auto& rows = g_config.rows;
-  if (big_b && fp32 && static_k && m >= rows.min_m && n <= rows.max_n && k <= rows.max_k) {
-    return 9;
   }
   if (b_nk && big_b && !whole_k) return m <= (bf16 ? tail.bf16_max_m : tail.max_m) ? 1 : 0;
   const bool bf16_packed = bf16 && (!static_k || k % 2 == 0);
@@ -1010,8 +1022,9 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(swap2.empty() || swap2.size() == 4,
               "tvm_gemm: swap2 must be (min_m, max_m, min_n, max_k)");
   if (!swap2.empty()) config.swap2 = {swap2[0], swap2[1], swap2[2], swap2[3]};
-  TORCH_CHECK(rows.empty() || rows.size() == 3, "tvm_gemm: rows must be (min_m, max_n, max_k)");
-  if (!rows.empty()) config.rows = {rows[0], rows[1], rows[2]};
+  TORCH_CHECK(rows.empty() || rows.size() == 5,
+              "tvm_gemm: rows must be (min_m, max_n, max_k, panel, pack_rows)");
+  if (!rows.empty()) config.rows = {rows[0], rows[1], rows[2], rows[3], rows[4]};
   config.activations = activations;
   config.linear_activations = static_cast<int64_t>(activations.size());
   config.activations.insert(config.activations.end(), conv_epilogues.begin(),

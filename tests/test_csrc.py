@@ -321,6 +321,31 @@ def test_cpp_table_key_follows_gemm_spec_variant():
 
 
 @needs_ext
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_cpp_table_key_follows_the_thread_count(threads):
+    """The rows variant below ROWS_MIN_M depends on the threads: both rules read torch's."""
+    from torch_tvm_gemm.schedules import cpu
+
+    ms = [cpu.DOT_MAX_M, cpu.DOT_MAX_M + 1, 40, 60, 64, 65, 80, 81, 100, 128, 511, 512]
+    ns = [64, 100, 192, 256, 320, 576, 704, 768, 1000]
+    previous_threads, previous_impl = torch.get_num_threads(), ops.use_impl("cpp")
+    torch.set_num_threads(threads)
+    try:
+        disagree = [
+            (m, n, layout, key, spec.variant)
+            for m in ms
+            for n in ns
+            for layout in ("kn", "nk")
+            if (key := EXT.key_variant(m, n, 256, layout, "float32", True))
+            != (spec := ops.gemm_spec("float32", m, n, 256, layout)).variant
+        ]
+    finally:
+        torch.set_num_threads(previous_threads)
+        ops.use_impl(previous_impl)
+    assert not disagree, disagree
+
+
+@needs_ext
 def test_cpp_miss_hands_python_the_call(monkeypatch):
     """On a miss the C++ impl passes the call's M and K; gemm_spec makes the spec."""
     from torch_tvm_gemm.ops import impls
@@ -344,7 +369,7 @@ def test_miss_handler_rejects_a_variant_gemm_spec_would_not_pick():
 
     with pytest.raises(RuntimeError, match="internal error.*'gemv'.*'gemm'"):
         impls._kernel_for_cpp(
-            "float32", 500, 64, 64, "nk", False, "none", True, False, "gemv", "cpu"
+            "float32", 500, 128, 64, "nk", False, "none", True, False, "gemv", "cpu"
         )
     impls._cpp_miss.error = None  # (kept for C++, which is not waiting for it here)
 

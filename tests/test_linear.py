@@ -597,6 +597,72 @@ def test_rows_variant_rule():
     assert gemm_variant(1024, 768, 768, "nk", device="cuda") == "gemm"
 
 
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_rows_variant_rule_for_panels_that_do_not_share_out():
+    # Below ROWS_MIN_M the row halves serve a weight whose 64-wide panels do not share out
+    # evenly between the threads, once M pays for each thread packing the whole weight (M >
+    # 8 x (panels - 1) on two threads), past the rows of the dot and swap32 kernels.
+    if not cpu_schedules.rows_max_k():
+        pytest.skip("the rows variant needs 32 vector registers")
+    panel, past_dot = cpu_schedules.ROWS_PANEL, cpu_schedules.DOT_MAX_M + 1
+
+    def variant(m, n, k=256, layout="kn", threads=2):
+        return gemm_variant(m, n, k, layout, threads=threads)
+
+    assert variant(past_dot, 3 * panel, layout="nk") == "rows"  # 2 panels against 1
+    assert variant(past_dot - 1, 3 * panel, layout="nk") == "swap32"
+    assert variant(past_dot, 3 * panel - 10) == "rows"  # (a part panel counts whole)
+    assert variant(100, panel) == "rows"  # one panel: one thread idle
+    assert variant(60, panel, layout="nk") == "rows"  # (before the swap kernels)
+    assert variant(100, 4 * panel) == "gemm"  # 2 panels each
+    assert [variant(m, 9 * panel) for m in (64, 65)] == ["gemm", "rows"]
+    assert [variant(m, 11 * panel) for m in (80, 81)] == ["gemm", "rows"]
+    assert variant(100, panel, threads=1) == "gemm"
+    assert variant(100, 3 * panel, threads=3) == "gemm"  # a panel each
+    assert variant(100, 5 * panel, threads=4) == "rows"  # 2 panels against 1
+    assert gemm_variant(100, panel, 256, "kn", dtype="float64", threads=2) == "gemm"
+    assert gemm_variant(100, panel, 256, "kn", static_k=False, threads=2) == "gemm"
+    assert variant(100, 3 * panel, k=cpu_schedules.rows_max_k() + 1) == "gemm"
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "act", "layout"),
+    [
+        (33, 64, 256, "relu", "nk"),
+        (41, 192, 77, "gelu", "kn"),
+        (60, 130, 77, "none", "nk"),
+        (127, 320, 130, "relu", "nk"),
+        (197, 192, 768, "gelu", "kn"),
+        (511, 576, 37, "none", "nk"),
+    ],
+)
+def test_linear_rows_variant_below_rows_min_m(monkeypatch, two_threads, m, n, k, act, layout):
+    # Odd M (halves of different lengths, partial register tiles), N off the panels and the
+    # vectors, K off the vectors, either layout of the weight; a NaN stays in its row.
+    if not cpu_schedules.rows_max_k():
+        pytest.skip("the rows variant needs 32 vector registers")
+    if layout == "nk":
+        check_variant(monkeypatch, m, n, act, k, variant="rows")
+        return
+    from torch_tvm_gemm.runtime import table
+
+    x, w_kn, b = randn(m, k), randn(k, n), randn(n)
+    x[m - 1, 5] = float("nan")
+    table.clear_table()
+    out = tg.linear(x, w_kn.t(), b, act)
+    assert [(s.variant, s.b_layout) for s in table._table] == [("rows", "kn")]
+    assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
+    want = reference(x, w_kn.t(), b, act).float()
+    torch.testing.assert_close(out, want, equal_nan=True, **tolerance(torch.float32, k))
+
+
 def test_swap_needs_avx512():
     from torch_tvm_gemm.schedules import cpu
     from torch_tvm_gemm.target import CpuInfo

@@ -163,6 +163,8 @@ def use_impl(path: str) -> str:
                 cpu_schedules.ROWS_MIN_M,
                 cpu_schedules.ROWS_MAX_N,
                 cpu_schedules.rows_max_k(),
+                cpu_schedules.ROWS_PANEL,
+                cpu_schedules.ROWS_PACK_ROWS,
             ],
         )
         cpp_keys = list(ext.dispatch_keys())

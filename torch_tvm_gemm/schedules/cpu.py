@@ -247,12 +247,17 @@ def gemm_variant(
     device: str = "cpu",
     dtype: str = "float32",
     static_k: bool = True,
+    threads: int | None = None,
 ) -> str:
-    """The schedule variant for an (M, N, K) product: "gemv", "ksplit", "dot2", "dot",
-    "swap32", "swap48", "swap", "swap2" (its kernel or the packed one, whichever runs faster
-    here: runtime/variant_choice.py), "rows" or "gemm"."""
+    """The schedule variant for an (M, N, K) product on ``threads`` threads (default:
+    torch's): "gemv", "ksplit", "dot2", "dot", "swap32", "swap48", "swap", "swap2" (its kernel
+    or the packed one, whichever runs faster here: runtime/variant_choice.py), "rows" or
+    "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
+    fp32_cpu = device == "cpu" and big_b and dtype == "float32" and static_k
+    if fp32_cpu and _rows_fits(m, n, k, threads or _torch_threads()):
+        return "rows"
     if nk and dtype == "float32" and static_k:
         for variant in ONE_PANEL_SWAPS:
             if _one_panel_swap_fits(variant, m, n, k):
@@ -277,8 +282,6 @@ def gemm_variant(
     kn = device == "cpu" and b_layout == "kn" and big_b
     if kn and dtype == "float32" and static_k and _ksplit_fits(m, n):
         return "ksplit"
-    if device == "cpu" and big_b and dtype == "float32" and static_k and _rows_fits(m, n, k):
-        return "rows"
     if nk and not whole_k:  # (see DOT_K_MULTIPLE)
         tail_max_m = KTAIL_BF16_GEMV_MAX_M if dtype == "bfloat16" else KTAIL_GEMV_MAX_M
         return "gemv" if m <= tail_max_m else "gemm"
@@ -310,8 +313,25 @@ def _swap2_fits(m: int, n: int, k: int) -> bool:
     return SWAP2_MIN_M <= m <= SWAP2_MAX_M and n >= SWAP2_MIN_N and k <= swap_max_k()
 
 
-def _rows_fits(m: int, n: int, k: int) -> bool:
-    return m >= ROWS_MIN_M and n <= ROWS_MAX_N and k <= rows_max_k()
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _rows_fits(m: int, n: int, k: int, threads: int) -> bool:
+    if n > ROWS_MAX_N or k > rows_max_k():
+        return False
+    return m >= ROWS_MIN_M or (m > DOT_MAX_M and rows_split_wins(m, n, threads))
+
+
+def rows_split_wins(m: int, n: int, threads: int) -> bool:
+    """Below ROWS_MIN_M: whether tasks of (half of the rows, panel) end before tasks of whole
+    panels, a panel's pack costing ROWS_PACK_ROWS rows of its tiles (see ROWS_PACK_ROWS)."""
+    panels = -(-n // ROWS_PANEL)
+    whole_panels = -(-panels // threads) * (2 * ROWS_PACK_ROWS + 2 * m)  # (both sides x 2)
+    halves = -(-2 * panels // threads) * (2 * ROWS_PACK_ROWS + m)
+    return halves < whole_panels
 
 
 def rows_max_k(cpu: CpuInfo | None = None) -> int:
@@ -568,7 +588,25 @@ SHORT_CHUNK_ROWS = 258
 # 1.05-1.27 / 1.20x, 128 x 512 0.92 / 0.88x -> 0.98 / 0.96x, 512 x 128 0.91 / 0.92x -> 1.00 /
 # 0.91x.
 ROWS_MIN_M = 512
-ROWS_MAX_N = (A_PACK_MIN_PANELS - 1) * 64  # (64: the AVX-512 panel)
+ROWS_PANEL = 64  # (the AVX-512 panel: "rows" needs 32 vector registers)
+ROWS_MAX_N = (A_PACK_MIN_PANELS - 1) * ROWS_PANEL
+# Below ROWS_MIN_M the halves still win where whole panels do not share out evenly: with two
+# threads and an odd number of panels one thread runs a panel more (N = 192: 2 panels
+# against 1). Each thread packing the whole weight pays once M covers the packs of the extra
+# panels, a pack costing about ROWS_PACK_ROWS rows of a panel's tiles (``rows_split_wins``):
+# M > 8 (panels - 1) for two threads. Through the op, weights cycled through 32 MB, 2 threads,
+# Intel Xeon (Emerald Rapids), F.linear = 1, packed -> rows: N x K = 64 x 256 (one panel) M =
+# 40 / 64 / 128 / 256 0.80 / 0.90 / 0.84 / 0.77x -> 0.99 / 1.21 / 1.27 / 1.30x; 192 x 192 M = 33
+# / 50 / 128 / 197 0.80-1.06 / 0.82 / 0.97 / 0.88x -> 1.03-1.11 / 0.99 / 1.22 / 1.12x; 192 x 768
+# (ViT-Tiny's second MLP layer) 0.80 / 0.83 / 0.81 / 0.80x -> 0.93 / 1.00 / 1.05 / 1.00x at M =
+# 33 / 80 / 128 / 197; 320 x 320 0.86 / 0.88 / 0.90x -> 0.95 / 1.02 / 1.05x (M = 33 / 80 /
+# 128); 448 x 448 (7 panels) M = 128 / 256 0.89 / 0.94x -> 0.97 / 1.01x; 576 x 192 (9) M = 128
+# / 197 / 256 0.91 / 0.93 / 1.00x -> 0.99 / 1.02 / 1.07x but M = 50 0.93x -> 0.94x; 704 x 704
+# (11) M = 128 / 256 0.91 / 0.97x -> 0.93 / 1.01x. An even number of panels keeps whole ones
+# (512 x 512 M = 128 1.06x -> 0.97x). At M = 56-64 the halves also beat the swap kernels
+# for these weights (64 x 256: swap 0.49-0.54x, packed 0.90-0.93x, rows 1.20-1.24x; 320 x 320
+# 0.74-0.80x, 0.86-0.92x, 0.93-1.04x); at M <= DOT_MAX_M the dot and swap32 kernels keep them.
+ROWS_PACK_ROWS = 8
 
 
 def task_order(spec: GemmSpec, nr: int, vec: int) -> tuple[int, int]:
