@@ -209,9 +209,6 @@ template <typename... Args>
 constexpr std::array<const char*, 10> kVariants{
     {"gemm", "gemv", "dot", "dot2", "swap", "ksplit", "swap32", "swap48", "swap2", "rows"}};
 
-// schedules/cpu.py gemm_variant() for CPU kernels, with its constants: the table key's variant.
-// On a miss, Python computes the spec with ops/gemm_ops.py gemm_spec and raises an internal
-// error if its variant differs (tests/test_csrc.py sweeps both rules against each other).
 // schedules/cpu.py rows_split_wins: tasks of (half of the rows, panel) against whole panels.
 bool rows_split_wins(int64_t m, int64_t n, int64_t threads) {
   const auto& rows = g_config.rows;
@@ -221,6 +218,10 @@ bool rows_split_wins(int64_t m, int64_t n, int64_t threads) {
   return halves < whole_panels;
 }
 
+// schedules/cpu.py gemm_variant() for CPU kernels, with its constants and torch's thread
+// count: the table key's variant. On a miss, Python computes the spec with ops/gemm_ops.py
+// gemm_spec and raises an internal error if its variant differs (tests/test_csrc.py sweeps
+// both rules against each other).
 int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf16,
                  bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;

@@ -35,8 +35,8 @@ ROUND_SECONDS = 2e-3  # each round calls a kernel at least this long
 MEASURE_SECONDS, MIN_ROUNDS = 0.3, 3  # fewer rounds for long calls (a 100 ms product: 3)
 RING_BYTES, RING_MAX = 32 << 20, 8  # the weights cycled through while timing (see _time_pair)
 # The timing allocates a weight of the spec's shape; past this size (fp32: LLaMA-7B's 32000 x
-# 4096 head, 0.5 GB) the kernel serves unmeasured: the packed one for two panels of x (which
-# lost by 15-20% at vocabulary widths on one machine, and gained 3-4% at this one on
+# 4096 head, 0.5 GB) a kernel serves unmeasured: the packed one for two panels of x (they
+# lost by 15-20% at vocabulary widths on one machine and gained only 3-4% at that head on
 # another), the swap kernel for one panel (at large weights it won on every machine measured:
 # 4096 x 4096, M = 32, 1.7-1.8x F.linear against 1.0-1.1x).
 MAX_MEASURED_BYTES = 256 << 20
