@@ -256,7 +256,7 @@ def gemm_variant(
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
     fp32_cpu = device == "cpu" and big_b and dtype == "float32" and static_k
-    if fp32_cpu and _rows_fits(m, n, k, threads or _torch_threads()):
+    if fp32_cpu and _rows_fits(m, n, k, threads):
         return "rows"
     if nk and dtype == "float32" and static_k:
         for variant in ONE_PANEL_SWAPS:
@@ -319,10 +319,12 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _rows_fits(m: int, n: int, k: int, threads: int) -> bool:
+def _rows_fits(m: int, n: int, k: int, threads: int | None) -> bool:
     if n > ROWS_MAX_N or k > rows_max_k():
         return False
-    return m >= ROWS_MIN_M or (m > DOT_MAX_M and rows_split_wins(m, n, threads))
+    if m >= ROWS_MIN_M:
+        return True
+    return m > DOT_MAX_M and rows_split_wins(m, n, threads or _torch_threads())
 
 
 def rows_split_wins(m: int, n: int, threads: int) -> bool:
