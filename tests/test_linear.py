@@ -14,7 +14,7 @@ from torch_tvm_gemm.kernels.gemm import ACTIVATIONS, torch_activation
 from torch_tvm_gemm.ops.gemm_ops import gemm_spec
 from torch_tvm_gemm.runtime import cache
 from torch_tvm_gemm.schedules import cpu as cpu_schedules
-from torch_tvm_gemm.schedules import cpu_tile_store
+from torch_tvm_gemm.schedules import cpu_tail_tile, cpu_tile_store
 from torch_tvm_gemm.schedules.cpu import gemm_variant
 from torch_tvm_gemm.target import host_cpu
 
@@ -119,6 +119,32 @@ def test_packed_n_off_the_vectors(n, layout, m, dtype):
     assert_close(out, expected, k)
     weight = w if layout == "nk" else w.t().contiguous().t()  # (K, N) storage, as Conv1D
     assert_close(tg.linear(x, weight, b, "relu"), expected, k)
+
+
+@pytest.mark.parametrize(
+    "variant,dtype", [("gemm", torch.float32), ("gemm", torch.float64), ("rows", torch.float32)]
+)
+def test_packed_last_tile_runs_the_rows_left(variant, dtype):
+    # The packed kernel's last tile of 6 rows runs only the rows left, as a tail of 2 or 4
+    # rows where one covers them (cpu_tail_tile): M at every remainder of 6 and past a
+    # whole tile, one chunk of rows or several; "rows" splits them in two halves first. The
+    # output starts as NaN: every value must be written, and no more.
+    from torch_tvm_gemm.runtime.table import get_kernel
+
+    k, n = 96, 130
+    name = str(dtype).split(".")[1]
+    spec = gemm_spec(name, 100, n, k, "nk", bias=True, activation="relu")
+    spec = dataclasses.replace(spec, variant=variant)
+    tiles = 1 + len(cpu_tail_tile.tail_rows(6))
+    if host_cpu().vector_registers >= 32:  # (the 6-row tile: AVX-512 and AVX2 alike)
+        assert cpu_schedules.schedule_gemm(spec).script().count('sblock("acc_update")') == tiles
+    kernel = get_kernel(spec)
+    w, b = randn(n, k, dtype=dtype), randn(n, dtype=dtype)
+    for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 127, 128, 129, 130, 131, 1033, 1036]:
+        x = randn(m, k, dtype=dtype)
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        kernel(x, w, b, out)
+        assert_close(out, reference(x, w, b, "relu"), k)
 
 
 def test_packed_a_copy_rule():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DTYPES, assert_close, randn
@@ -129,6 +131,30 @@ def test_attention_scores_batched(s):
     assert_close(out, expected, 64)
     if s % 16:
         assert cpu_tile_store.splits(cpu_schedules.schedule_gemm(spec))
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_batched_last_tile_runs_the_rows_left(layout):
+    # Each batch entry's last tile of 6 rows runs only the rows left, as a tail of 2 or 4
+    # (cpu_tail_tile): S at every remainder of 6, Q @ K^T ("nk") and P @ V ("kn", one panel
+    # wide: read in place). The output starts as NaN: every value must be written.
+    from torch_tvm_gemm.ops.gemm_ops import gemm_spec
+    from torch_tvm_gemm.runtime.table import get_kernel
+    from torch_tvm_gemm.schedules import cpu as cpu_schedules
+
+    d = 64
+    spec = gemm_spec("float32", 128, 128 if layout == "nk" else d, d, layout, batched=True)
+    if layout == "kn":
+        spec = dataclasses.replace(spec, k=None)  # (P @ V: K, the sequence, symbolic)
+    assert cpu_schedules.schedule_gemm(spec).script().count('sblock("acc_update")') == 3
+    kernel = get_kernel(spec)
+    for m in [1, 2, 3, 4, 5, 6, 7, 11, 127, 128, 130]:
+        a = randn(3, m, d)
+        b = randn(3, spec.n, d) if layout == "nk" else randn(3, d, spec.n)
+        out = torch.full((3, m, spec.n), float("nan"))
+        kernel(a, b, out)
+        b_kn = b.transpose(1, 2) if layout == "nk" else b
+        assert_close(out, torch.matmul(a.double(), b_kn.double()), d)
 
 
 @pytest.mark.parametrize(

@@ -48,10 +48,18 @@ from __future__ import annotations
 from ..kernels.gemm import GemmSpec, batched_gemm_compute, gemm_compute
 from ..kernels.gemm_kblocked import kblocked_gemm_compute
 from ..target import CpuInfo, host_cpu
-from . import cpu_amx, cpu_avx512_bf16, cpu_gemv, cpu_pack_prefetch, cpu_tile_store, cpu_transpose
+from . import (
+    cpu_amx,
+    cpu_avx512_bf16,
+    cpu_gemv,
+    cpu_pack_prefetch,
+    cpu_tail_tile,
+    cpu_tile_store,
+    cpu_transpose,
+)
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 42  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 43  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -409,7 +417,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         mod = cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
         if spec.n % vec and spec.dtype == spec.acc_dtype:  # (as below: task_order)
             mod = cpu_tile_store.split_full_panels(mod, spec.n, nr)
-        return mod
+        return cpu_tail_tile.cut_last_tiles(mod, mr)
     elif spec.variant in ("dot", "dot2"):
         if spec.b_layout != "nk":
             raise ValueError(f"bad GemmSpec {spec}: the dot variant reads a (N, K) weight")
@@ -447,7 +455,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         # (see task_order; the "rows" variant's tile stores too)
         if spec.n % vec and (spec.variant == "rows" or task_order(spec, nr, vec)[0] > 1):
             mod = cpu_tile_store.split_full_panels(mod, spec.n, nr)
-        return mod
+        return cpu_tail_tile.cut_last_tiles(mod, mr)
     return sch.mod
 
 
