@@ -108,3 +108,21 @@ def test_asks_for_the_next_chunk_of_the_weight(layout):
     assert script.count("llvm.prefetch") == 1
     max_tiles = CPU.l2_bytes // 3 // (6 * K_CHUNK * 4)
     assert f"(M + T.int64(5)) // T.int64(6) <= T.int64({max_tiles})" in script
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_last_tile_runs_the_rows_left(layout):
+    # cpu_tail_tile in the K-blocked kernel: each chunk's last tile of 6 rows sums only the
+    # rows left (a tail of 2 or 4), M at every remainder of 6; its partial sums still add
+    # up across the chunks. The output starts as NaN: every value must be written.
+    from torch_tvm_gemm.schedules import cpu as cpu_schedules
+
+    s = spec(K_ODD, b_layout=layout, bias=True, activation="relu")
+    assert cpu_schedules.schedule_gemm(s, CPU).script().count('sblock("partial_update")') == 3
+    kernel = get_kernel(s)
+    w, b = randn(70, K_ODD), randn(70)
+    for m in [1, 2, 3, 4, 5, 6, 7, 11, 127, 128]:
+        x = randn(m, K_ODD)
+        out = torch.full((m, 70), float("nan"))
+        kernel(x, w if layout == "nk" else w.t().contiguous(), b, out)
+        assert_close(out, reference(x, w, b, "relu"), K_ODD)

@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 43  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 44  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -409,8 +409,9 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         chunks, width = -(-spec.k // kc), _panels_per_task(spec, nr) * nr
         # while a chunk of A (tiles x MR x kc values) takes at most a third of the L2
         max_tiles = cpu.l2_bytes // 3 // (mr * kc * (8 if spec.acc_dtype == "float64" else 4))
-        return cpu_pack_prefetch.prefetch_next_chunk(sch.mod, loops, chunks, width, kc,
-                                                     spec.b_layout == "nk", max_tiles)  # fmt: skip
+        mod = cpu_pack_prefetch.prefetch_next_chunk(sch.mod, loops, chunks, width, kc,
+                                                    spec.b_layout == "nk", max_tiles)  # fmt: skip
+        return cpu_tail_tile.cut_last_tiles(mod, mr, ("partial_init", "partial_update"))
     elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
         pack_loops = _schedule_packed_batched(sch, spec, mr, nr, vec)

@@ -1,20 +1,22 @@
 """The packed kernels' last tile of rows, cut to the rows that are left.
 
-The packed kernels (``cpu._schedule_packed``, "gemm" and "rows", and the batched one) pad M
-to whole register tiles of MR rows, and every tile sums all MR rows over all of K: at
-M = 128 (a transformer at batch 1, or attention's S = 128 in each batch entry) the 6-row
-tile runs 132 rows, 3% of the products on padding. Each tile of rows now picks one of three
-copies of its product loop (the loop over K) by the rows it has left: the whole tile, or a
-tail of 2 MR / 3 or MR / 3 rows (4 or 2 of 6), the fewest that cover them. The tile's init
-and store are not copied (the store already skips rows past M; with a copy of its store a
-gelu kernel took 28 s to build instead of 8.4).
+The packed kernels (``cpu._schedule_packed``, "gemm" and "rows", the batched one, and the
+K-blocked one, whose tiles sum a chunk of K at a time) pad M to whole register tiles of MR
+rows, and every tile sums all MR rows: at M = 128 (a transformer at batch 1, or attention's
+S = 128 in each batch entry) the 6-row tile runs 132 rows, 3% of the products on padding.
+Each tile of rows now picks one of three copies of its product loop (the loop over K) by
+the rows it has left: the whole tile, or a tail of 2 MR / 3 or MR / 3 rows (4 or 2 of 6),
+the fewest that cover them. The tile's init and store are not copied (the store already
+skips rows past M; with a copy of its store a gelu kernel took 28 s to build instead of
+8.4).
 
 Kernels alone, weights (or the batched operands) cycled through 8 copies, 2 threads, Intel
 Xeon (Emerald Rapids), both builds loaded in one process and called in turn, each order
 once, time with the tails over time without, M = 128: 768 x 768 0.97 / 0.98, 3072 x 768
 0.98 / 0.98, 1376 x 512 1.00 / 0.96, 512 x 512 0.99 / 0.99, "kn" 2304 x 768 0.97 / 0.95;
 K = 64 (256 x 64, 768 x 64) 0.99-1.03; attention at S = 128, B*H = 12 and 96, two runs:
-`P @ V` 0.90-0.98, `Q @ K^T` 0.99-1.02.
+`P @ V` 0.90-0.98, `Q @ K^T` 0.99-1.02; the K-blocked kernel, N = 4096 K = 11008 (two
+weights of 180 MB), M = 128 0.98 / 0.89, M = 64 0.99 / 0.98.
 
 TensorIR cannot pick a loop by a run-time row count (one block, one loop nest), so the
 copies are made on the scheduled module, as ``cpu_pack_prefetch`` adds its prefetches; the
@@ -32,11 +34,13 @@ def tail_rows(mr: int) -> tuple[int, ...]:
     return (2 * mr // 3, mr // 3) if mr % 3 == 0 and mr >= 3 else ()
 
 
-def cut_last_tiles(mod, mr: int):
+def cut_last_tiles(mod, mr: int, blocks: tuple[str, str] = ("acc_init", "acc_update")):
     """``mod`` (a scheduled packed kernel, register tiles of ``mr`` rows, its output the last
     parameter, M its second last dimension) with each tile of rows running only the rows it
-    has left, in copies of its product loop (see above). Raises RuntimeError where the tile
-    loop is not found (a schedule change this rewrite does not know)."""
+    has left, in copies of its product loop (see above). ``blocks``: the tile's init and
+    product blocks (the K-blocked kernel's: "partial_init", "partial_update"). Raises
+    RuntimeError where the tile loop is not found (a schedule change this rewrite does not
+    know)."""
     from tvm import s_tir, tirx
 
     tails = tail_rows(mr)
@@ -51,12 +55,12 @@ def cut_last_tiles(mod, mr: int):
         if len(parts) < 3:
             return None
         init, product, stores = parts[0], parts[1], parts[2:]
-        if not (_names(init) == {"acc_init"} and _names(product) == {"acc_update"}):
+        if not (_names(init) == {blocks[0]} and _names(product) == {blocks[1]}):
             return None
-        if any(_names(store) & {"acc_init", "acc_update"} for store in stores):
+        if any(_names(store) & set(blocks) for store in stores):
             return None
         # The tile's first row: the product's row binding (tile base * MR + row in the tile).
-        row = _binding(product, "acc_update")[-3]  # (..., row, column, k)
+        row = _binding(product, blocks[1])[-3]  # (..., row, column, k)
         if not isinstance(row, tirx.Add):
             raise RuntimeError(f"cpu_tail_tile: the tile's row binding has another shape: {row}")
         rows_left = m - row.a
