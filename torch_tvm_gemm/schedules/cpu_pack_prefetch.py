@@ -43,7 +43,7 @@ first in its body."""
 
 from __future__ import annotations
 
-from .tir_rewrite import fresh_copy, replace_loops, with_body
+from .tir_rewrite import block_bindings, fresh_copy, replace_loops, with_body
 
 AHEAD = 64  # values ahead along a row (4 cache lines of float32: 4 tiles)
 AHEAD_ROWS = 8  # "kn": rows ahead
@@ -72,10 +72,10 @@ def prefetch_pack_reads(mod, k_tiles, rows_in_tile, vec: int):
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     if rows_in_tile is None:
         rows_in_tile = tirx.Var("r", "int64")
-        *batch, tile, _ = _pack_bindings(mod["main"].body, "B_pad_o")
+        *batch, tile, _ = block_bindings(mod["main"].body, "B_pad_o")
         row = tile * i64(vec) + rows_in_tile
     else:
-        *batch, row, _ = _pack_bindings(mod["main"].body)
+        *batch, row, _ = block_bindings(mod["main"].body, "B_pad")
     at = k_tiles * i64(vec) + i64(AHEAD)
     index = [*batch, tirx.min(row + i64(vec) * (at // k), n - i64(1)), at % k]
     loop = tirx.For(rows_in_tile, i64(0), i64(vec), tirx.ForKind.UNROLLED, _prefetch(b, index))
@@ -91,7 +91,7 @@ def prefetch_copy_reads(mod, k_rows, columns, nr: int):
     b = mod["main"].params[1]  # (K, N)
     k, n = b.ty.shape
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
-    row, column = _pack_bindings(mod["main"].body)
+    row, column = block_bindings(mod["main"].body, "B_pad")
     index = [tirx.min(row + i64(AHEAD_ROWS), k - i64(1)), tirx.min(column, n - i64(1))]
     # One prefetch a cache line: the unrolled loop keeps the columns at whole lines.
     wanted = tirx.EQ(tirx.floormod(columns, i64(LINE)), i64(0))
@@ -175,21 +175,3 @@ def _first_in(mod, loop_var, stmt):
     if not found:
         raise RuntimeError("cpu_pack_prefetch: the pack's loop was not found")
     return mod
-
-
-def _pack_bindings(stmt, name: str = "B_pad"):
-    """The (row, column) of the weight the pack (block ``name``) reads: its bindings."""
-    from tvm import s_tir, tirx
-
-    if isinstance(stmt, s_tir.SBlockRealize):
-        if stmt.block.name_hint == name:
-            return list(stmt.iter_values)
-        return _pack_bindings(stmt.block.body, name)
-    if isinstance(stmt, s_tir.SBlock | tirx.For):
-        return _pack_bindings(stmt.body, name)
-    if isinstance(stmt, tirx.SeqStmt):
-        for s in stmt.seq:
-            found = _pack_bindings(s, name)
-            if found is not None:
-                return found
-    return None

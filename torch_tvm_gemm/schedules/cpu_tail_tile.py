@@ -25,7 +25,7 @@ copies' loop and block variables are then made distinct by ``ConvertSSA``.
 
 from __future__ import annotations
 
-from .tir_rewrite import replace_loops, with_body
+from .tir_rewrite import block_bindings, replace_loops, with_body
 
 
 def tail_rows(mr: int) -> tuple[int, ...]:
@@ -60,7 +60,7 @@ def cut_last_tiles(mod, mr: int, blocks: tuple[str, str] = ("acc_init", "acc_upd
         if any(_names(store) & set(blocks) for store in stores):
             return None
         # The tile's first row: the product's row binding (tile base * MR + row in the tile).
-        row = _binding(product, blocks[1])[-3]  # (..., row, column, k)
+        row = block_bindings(product, blocks[1])[-3]  # (..., row, column, k)
         if not isinstance(row, tirx.Add):
             raise RuntimeError(f"cpu_tail_tile: the tile's row binding has another shape: {row}")
         rows_left = m - row.a
@@ -113,21 +113,3 @@ def _names(stmt) -> set[str]:
     if isinstance(stmt, tirx.IfThenElse):
         return _names(stmt.then_case) | (_names(stmt.else_case) if stmt.else_case else set())
     return set()
-
-
-def _binding(stmt, name: str):
-    """The iter values of block ``name`` in ``stmt``."""
-    from tvm import s_tir, tirx
-
-    if isinstance(stmt, s_tir.SBlockRealize):
-        if stmt.block.name_hint == name:
-            return list(stmt.iter_values)
-        return _binding(stmt.block.body, name)
-    if isinstance(stmt, s_tir.SBlock | tirx.For):
-        return _binding(stmt.body, name)
-    if isinstance(stmt, tirx.SeqStmt):
-        for s in stmt.seq:
-            found = _binding(s, name)
-            if found is not None:
-                return found
-    return None

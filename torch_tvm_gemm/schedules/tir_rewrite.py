@@ -62,3 +62,21 @@ def fresh_copy(stmt):
     from tvm import s_tir, tirx
 
     return s_tir.renew_defs(tirx.PrimFunc([], stmt)).body
+
+
+def block_bindings(stmt, name: str):
+    """The iter values of block ``name`` in ``stmt`` (its first occurrence), or None."""
+    from tvm import s_tir, tirx
+
+    if isinstance(stmt, s_tir.SBlockRealize):
+        if stmt.block.name_hint == name:
+            return list(stmt.iter_values)
+        return block_bindings(stmt.block.body, name)
+    if isinstance(stmt, s_tir.SBlock | tirx.For):
+        return block_bindings(stmt.body, name)
+    if isinstance(stmt, tirx.SeqStmt):
+        for s in stmt.seq:
+            found = block_bindings(s, name)
+            if found is not None:
+                return found
+    return None
