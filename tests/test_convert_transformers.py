@@ -217,11 +217,16 @@ def test_bench_models_cli_runs(tmp_path):
     argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
     argv += ["--decode", "2"]
     assert main([*argv, "--reps", "1", "--rounds", "1", "--json", str(out)]) == 0
-    prefill, decode = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    prefill, decode = result["rows"]
     assert (prefill["phase"], decode["phase"], decode["decode_steps"]) == ("prefill", "decode", 2)
     for row in (prefill, decode):
         assert row["converted_layers"] == row["found_layers"] == 7
         assert row["max_rel_err"] < 1e-4 and row["converted_s"] > 0
+        # one round: its median is its best
+        assert row["median_ratio"] == pytest.approx(row["ratio"])
+    ratios = [prefill["ratio"], decode["ratio"]]
+    assert result["median_by_dtype"]["float32"][1] == pytest.approx(min(ratios))
 
 
 def test_bench_models_channels_last(monkeypatch):

@@ -3,9 +3,11 @@
 Models are built from transformers configs with random weights (nothing is downloaded): a
 BERT-style encoder, GPT-2, a LLaMA-style decoder stack, ResNet-50 (``ResNetModel``) and a
 MobileNetV2. For each model, dtype and batch size: eager time, converted time (same run,
-alternating rounds, best of each), their ratio (above 1: converted faster), layers on TVM
-ops / found, max error vs eager relative to the output's largest value, and the first call
-after ``convert`` (kernel builds or cache loads included). With ``--decode STEPS`` the decoder
+alternating rounds, best of each), their ratio (above 1: converted faster), the same ratio
+over each side's median round (on a busy machine a typical call can trail the best by 10%
+or more, and not by as much on both sides), layers on TVM ops / found, max error vs eager
+relative to the output's largest value, and the first call after ``convert`` (kernel builds
+or cache loads included). With ``--decode STEPS`` the decoder
 models (GPT-2, LLaMA) also get a "decode" row: seconds per generated token on a KV cache
 after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. With ``--alone``
 each row is also timed with eager and converted each in a process of its own, as a user's
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import statistics
 import time
 
 from . import bench_models_alone
@@ -41,7 +44,9 @@ def register(sub) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers of the text models")
     p.add_argument("--threads", type=int, default=None, help="torch and TVM threads")
     p.add_argument("--reps", type=int, default=3, help="calls per timing round")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds (best is kept)")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="timing rounds (the best and the median are kept)"
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -149,9 +154,12 @@ def run(args) -> int:
     rows = []
     header = (
         f"{'model':<12} {'dtype':<9} {'batch':>5} {'eager ms':>9} {'conv ms':>9} {'ratio':>6} "
-        f"{'layers':>9} {'max err':>8} {'1st call s':>10}"
+        f"{'median':>6} {'layers':>9} {'max err':>8} {'1st call s':>10}"
     )
-    print(f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster)")
+    print(
+        f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster), "
+        "best rounds; median: over each side's median round"
+    )
     extra = f" {'cmp(eager)':>10} {'cmp(conv)':>10}" if args.compile else ""
     extra += f" {'alone ratio':>11}" if args.alone else ""
     print(header + extra)
@@ -175,12 +183,11 @@ def run(args) -> int:
                     first_call = call_s if first_call is None else first_call
                     want = first_tensor(eager(**inputs))
                     err = rel_err(got, want)
-                    t_conv, t_eager = compare(
-                        lambda i=inputs, m=converted: m(**i),
-                        lambda i=inputs, m=eager: m(**i),
-                        args.reps,
-                        args.rounds,
+                    rounds_conv, rounds_eager = time_rounds(
+                        lambda i=inputs, m=converted: m(**i), lambda i=inputs, m=eager: m(**i), args
                     )
+                    t_conv, t_eager = min(rounds_conv), min(rounds_eager)
+                    typical = statistics.median(rounds_eager) / statistics.median(rounds_conv)
                     if args.compile:
                         c_conv, c_eager = torch.compile(converted), torch.compile(eager)
                         t_c_conv, t_c_eager = compare(
@@ -197,6 +204,7 @@ def run(args) -> int:
                     "eager_s": t_eager,
                     "converted_s": t_conv,
                     "ratio": t_eager / t_conv,
+                    "median_ratio": typical,
                     "converted_layers": summary.converted(),
                     "found_layers": summary.found(),
                     "fused": len(summary.fused),
@@ -216,7 +224,7 @@ def run(args) -> int:
                 rows.append(row)
                 print(
                     f"{name:<12} {dtype_name:<9} {batch:>5} {t_eager * 1e3:9.2f} "
-                    f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} "
+                    f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} {row['median_ratio']:6.2f} "
                     f"{f'{summary.converted()}/{summary.found()}':>9} {err:8.1e} {call_s:10.2f}"
                     + columns
                 )
@@ -225,6 +233,9 @@ def run(args) -> int:
     summary = ratio_summary(rows)
     means = (f"{key} {geomean:.2f} ({lowest:.2f})" for key, (geomean, lowest) in summary.items())
     print("geometric mean ratio (lowest): " + ", ".join(means))
+    medians = ratio_summary(rows, "median_ratio")
+    means = (f"{key} {geomean:.2f} ({lowest:.2f})" for key, (geomean, lowest) in medians.items())
+    print("the same over the median rounds: " + ", ".join(means))
     alone = ratio_summary(rows, "alone_ratio") if args.alone else None
     if alone:
         means = (f"{key} {geomean:.2f} ({lowest:.2f})" for key, (geomean, lowest) in alone.items())
@@ -235,10 +246,24 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             result = {"threads": torch.get_num_threads(), "rows": rows}
             result |= {"geomean": summary["all"][0], "by_dtype": summary}
+            result["median_by_dtype"] = medians
             if alone:
                 result["alone_by_dtype"] = alone
             json.dump(result, f, indent=1)
     return 0
+
+
+def time_rounds(converted_call, eager_call, args) -> tuple[list[float], list[float]]:
+    """Each side's seconds per call in each of ``--rounds`` alternating rounds of ``--reps``
+    back-to-back calls, after a warm-up call of each (kernel builds, loads, caches)."""
+    from ..measure import mean_call, time_interleaved
+
+    return time_interleaved(
+        [converted_call, eager_call],
+        args.rounds,
+        sample=lambda fn: mean_call(fn, args.reps),
+        keep=list,
+    )
 
 
 def ratio_summary(rows: list[dict], column: str = "ratio") -> dict[str, tuple[float, float]]:
@@ -259,15 +284,17 @@ def ratio_summary(rows: list[dict], column: str = "ratio") -> dict[str, tuple[fl
 
 def decode_row(eager, converted, inputs: dict, args, prefill: dict) -> dict:
     """The "decode" row of one (model, dtype, batch): eager and converted per token, timed in
-    alternating rounds (a fresh prefill each, not timed), best of each; printed."""
+    alternating rounds (a fresh prefill each, not timed), best and median of each; printed."""
     from ..measure import time_interleaved
 
     steps = args.decode
-    t_conv, t_eager = time_interleaved(
+    rounds_conv, rounds_eager = time_interleaved(
         [lambda: decode(converted, inputs, steps)[0], lambda: decode(eager, inputs, steps)[0]],
         args.rounds,
         sample=lambda fn: fn(),
+        keep=list,
     )
+    t_conv, t_eager = min(rounds_conv), min(rounds_eager)
     err = rel_err(decode(converted, inputs, 1)[1], decode(eager, inputs, 1)[1])
     row = prefill | {
         "phase": "decode",
@@ -275,6 +302,7 @@ def decode_row(eager, converted, inputs: dict, args, prefill: dict) -> dict:
         "eager_s": t_eager,
         "converted_s": t_conv,
         "ratio": t_eager / t_conv,
+        "median_ratio": statistics.median(rounds_eager) / statistics.median(rounds_conv),
         "max_rel_err": err,
         "first_call_s": None,
     }
@@ -285,7 +313,8 @@ def decode_row(eager, converted, inputs: dict, args, prefill: dict) -> dict:
     layers = f"{row['converted_layers']}/{row['found_layers']}"
     print(
         f"{label:<12} {row['dtype']:<9} {row['batch']:>5} {t_eager * 1e3:9.2f} "
-        f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} {layers:>9} {err:8.1e}"
+        f"{t_conv * 1e3:9.2f} {row['ratio']:6.2f} {row['median_ratio']:6.2f} {layers:>9} "
+        f"{err:8.1e}"
     )
     return row
 
