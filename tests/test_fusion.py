@@ -142,8 +142,7 @@ def test_conv_bn_relu_folds_in_eval_mode():
 def test_folded_conv_bn_compiles_whole_and_sees_new_weights():
     # Under torch.compile the fold is part of the graph: no graph break at the folded conv
     # (fullgraph=True), and the graph folds the tensors as they are at each call, also after
-    # a write that torch does not count (through .data), which the eager path needs refold()
-    # to see.
+    # a write that torch does not count in the version (through .data).
     conv, norm = nn.Conv2d(3, 8, 3, padding=1), bn(8).eval()
     x = randn(2, 3, 10, 9)
     converted = tg.convert(nn.Sequential(conv, norm, nn.ReLU()).eval())

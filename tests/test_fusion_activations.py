@@ -218,10 +218,20 @@ def test_squeeze_excitation_gate_fused(gate, epilogue):
     assert_close(converted(x[:1]), expected[:1], k=32)
 
 
-def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():
+def test_bn_fold_follows_writes_counted_by_torch_or_not(monkeypatch):
+    """A kept fold is redone after every kind of write to the conv's and BN's tensors: one
+    torch counts in the version, one through ``.data`` (not counted: seen by the storage's
+    copy-on-write mark), one through a numpy view made after the fold; only a numpy view
+    kept from before a fold and written after it needs ``refold()``. Nothing else refolds,
+    and marking the storage copies nothing (the weight keeps its address)."""
+    import torch_tvm_gemm.fold as fold
+
+    folds, real_fold = [], fold.fold_conv_bn
+    monkeypatch.setattr(fold, "fold_conv_bn", lambda *a: folds.append(1) or real_fold(*a))
     conv, bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8).eval()
     with torch.no_grad():
         bn.running_var.uniform_(0.5, 2.0)
+    address = conv.weight.data_ptr()
     fused = TVMConv2dBN(conv, bn, "relu6")
     x = randn(2, 3, 9, 9)
 
@@ -229,10 +239,22 @@ def test_bn_fold_follows_counted_writes_and_refold_sees_uncounted_ones():
         return F.relu6(bn(conv(x)))
 
     with torch.no_grad():
+        for _ in range(3):  # folded once, kept
+            assert_close(fused(x), expected(), k=200)
+        assert len(folds) == 1
+        conv.weight.mul_(2.0)  # counted by torch
         assert_close(fused(x), expected(), k=200)
-        conv.weight.mul_(2.0)  # counted: the next call refolds by itself
+        bn.running_mean.data.add_(1.0)  # through .data: not counted
         assert_close(fused(x), expected(), k=200)
-        bn.running_mean.data.add_(1.0)  # not counted by torch: refold() is the way
+        conv.weight.data.mul_(-0.5)
+        assert_close(fused(x), expected(), k=200)
+        bn.running_var.detach().numpy()[:] *= 2.0  # a numpy view made after the fold
+        assert_close(fused(x), expected(), k=200)
+        assert len(folds) == 5
+        assert conv.weight.data_ptr() == address  # written in place, never copied
+        kept = conv.bias.detach().numpy()
+        fused(x)  # (making the view took the bias for writing: folded again, then kept)
+        kept += 1.0  # a view from before that fold: not seen
         fused.refold()
         assert_close(fused(x), expected(), k=200)
 

@@ -10,10 +10,13 @@ reads in place (``conv_ops.weight_layout``: channels_last for the bf16 NHWC conv
 permuted it at every call before: ResNet-50 bf16, batch 1, 9.2 -> 2.1 ms of copies a forward
 on an AMD EPYC; for the fp32 convs with few output pixels, a GEMM over channels-last patches; and
 for the fp32 convs of a channels_last input; an input of another image size or memory
-format folds again). A write that torch does not count (through
-``tensor.data`` or a numpy view of it) is not seen: call ``refold()`` after one. (Folding
-at every call instead would cost a pass over the weight per call, as much as the conv's own
-pack.) Under
+format folds again). A write that torch does not count in the version (through
+``tensor.data``, or a numpy view made after the fold) is seen too: keeping a fold marks the
+six tensors' storage copy-on-write (``_arm``), and the first write through any alias clears
+the mark, which the next call checks. Nothing is copied: no one else shares the buffer, so
+the writer keeps it. A numpy view made before the fold writes unseen: call ``refold()``
+after writing through one. (Folding at every call instead would cost a pass over the weight
+per call, as much as the conv's own pack.) Under
 ``torch.compile`` the fold is part of the graph, computed at every call (inductor fuses it
 into one pass over the weight). With gradients
 wanted the fold is done with autograd on every call, so the
@@ -63,6 +66,41 @@ def _fold_when_traced(conv: nn.Conv2d, padding: list[int], x: Tensor) -> bool:
                                 strict=True):  # fmt: skip
         out_pixels *= (size + 2 * p - d * (k - 1) - 1) // s + 1
     return conv.weight.numel() <= n * out_pixels * conv.out_channels
+
+
+def _key(tensors: list[Tensor], image: tuple) -> tuple | None:
+    """What a kept fold of ``tensors`` for inputs of ``image`` was made from: each tensor's
+    version and, while its storage is marked copy-on-write (``_arm``), that mark, else its
+    address (a tensor given another buffer, ``.data = ...``); None for inference tensors,
+    which have no version (folded at every call). The address is read only where the mark is
+    gone: reading it takes the buffer for writing, which clears the mark."""
+    try:
+        # (a new dtype or device means new tensors: the weight's stand for the six)
+        marks = [(t._version, "marked" if _marked(t) else t.data_ptr()) for t in tensors]
+    except RuntimeError:
+        return None
+    return (marks, tensors[0].dtype, tensors[0].device, image)
+
+
+# Whether a tensor's storage still carries the copy-on-write mark of ``_arm``.
+_marked = torch._C._is_cow_tensor
+
+
+def _arm(tensors: list[Tensor]) -> None:
+    """Marks the storage of ``tensors`` copy-on-write, by making a lazy clone of each and
+    dropping it. The first write through any alias then clears the mark (``_marked``): a
+    write through torch (``.data`` included) and anything that takes a writable pointer
+    (``.numpy()``, ``data_ptr()``). The clone is gone, so the writer keeps its buffer: nothing
+    is copied, then or ever. A tensor whose storage cannot be marked (``torch.from_numpy``'s:
+    torch does not own the buffer), or on another device than the CPU (not measured there),
+    keeps its address in the key instead."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        try:
+            torch._lazy_clone(t.detach())
+        except RuntimeError:
+            continue
 
 
 class TVMConv2dBN(nn.Module):
@@ -123,17 +161,10 @@ class TVMConv2dBN(nn.Module):
             # a kept fold would not see the weights change between calls of the graph.
             weight, bias = fold_conv_bn(conv, bn)
             return weight.contiguous(), bias.contiguous()
-        try:
-            # (a new dtype or device means new tensors: the weight's stand for the six)
-            versions = [(t._version, t.data_ptr()) for t in tensors]
-            # (and x's image: its size and memory format pick the route, hence the layout,
-            # e.g. at 7x7 pixels, or channels_last)
-            image = (x.shape[1:], x.dtype, x.is_contiguous())
-            key = (versions, tensors[0].dtype, tensors[0].device, image)
-        except RuntimeError:  # inference tensors have no version: fold every time
-            key = None
-        if not plain:  # a computed tensor: fold every time
-            key = None
+        # (and x's image: its size and memory format pick the route, hence the layout, e.g.
+        # at 7x7 pixels, or channels_last)
+        image = (x.shape[1:], x.dtype, x.is_contiguous())
+        key = _key(tensors, image) if plain else None  # (a computed tensor: fold every time)
         # (and the tensors themselves: held here, a replaced one's address cannot come back
         # as another tensor's, of the same version, while the fold made from it is kept)
         seen = self._seen
@@ -147,12 +178,15 @@ class TVMConv2dBN(nn.Module):
             layout = weight_layout(x, weight, conv.stride, self.padding, conv.dilation,
                                    conv.groups)  # fmt: skip
             self._folded = (weight.contiguous(memory_format=layout), bias.contiguous())
+            if key is not None:
+                _arm(tensors)
+                key = _key(tensors, image)
             self._key, self._seen = key, tensors
         return self._folded
 
     def refold(self) -> None:
-        """Fold again at the next call (after writes torch does not count, e.g. through
-        ``.data`` or numpy)."""
+        """Fold again at the next call (after a write through a numpy view made before the
+        fold, which no check sees)."""
         self._key = self._folded = self._seen = None
 
     def forward(self, x: Tensor) -> Tensor:

@@ -472,7 +472,8 @@ def convert(
     (a ``ConversionSummary``; ``print`` it for one line per layer).
 
     BN folding uses the running statistics of eval-mode BatchNorms (refolded when the conv
-    or BN tensors change, e.g. after ``load_state_dict``); a BN in training mode is not
+    or BN tensors change, e.g. after ``load_state_dict`` or a write through ``.data``:
+    ``fold.TVMConv2dBN``); a BN in training mode is not
     folded, and one switched to training mode after conversion runs as plain torch ops.
     A fused region runs its graph only in the mode it was traced in (fx fixes branches on
     ``self.training``, the fusion drops eval-mode Dropouts); in the other mode the module's

@@ -123,8 +123,9 @@ def _conv2d_impl(
     sync_threads()
     # The kernel reads the weight in torch's layout and packs it itself, at every call: no
     # cache key sees every change of a weight (a write through ``weight.data`` or a numpy
-    # view leaves ``_version`` as it was), and checking a kept pack costs a pass over the
-    # weight, as packing does.
+    # view leaves ``_version`` as it was; the copy-on-write mark of ``fold.py`` sees those,
+    # but handing the weight to the kernel takes it for writing, which clears the mark at
+    # every call), and checking a kept pack costs a pass over the weight, as packing does.
     args = [x.contiguous(), weight.contiguous()]
     if bias is not None:
         args.append(bias.contiguous())
