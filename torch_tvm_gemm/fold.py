@@ -82,8 +82,9 @@ def _key(tensors: list[Tensor], image: tuple) -> tuple | None:
     return (marks, tensors[0].dtype, tensors[0].device, image)
 
 
-# Whether a tensor's storage still carries the copy-on-write mark of ``_arm``.
-_marked = torch._C._is_cow_tensor
+# Whether a tensor's storage still carries the copy-on-write mark of ``_arm`` (never, in a
+# torch without copy-on-write storage: the fold's key then holds addresses, as it did).
+_marked = getattr(torch._C, "_is_cow_tensor", lambda t: False)
 
 
 def _arm(tensors: list[Tensor]) -> None:
@@ -94,11 +95,12 @@ def _arm(tensors: list[Tensor]) -> None:
     is copied, then or ever. A tensor whose storage cannot be marked (``torch.from_numpy``'s:
     torch does not own the buffer), or on another device than the CPU (not measured there),
     keeps its address in the key instead."""
+    lazy_clone = getattr(torch, "_lazy_clone", None)
     for t in tensors:
-        if t.device.type != "cpu":
+        if lazy_clone is None or t.device.type != "cpu":
             continue
         try:
-            torch._lazy_clone(t.detach())
+            lazy_clone(t.detach())
         except RuntimeError:
             continue
 
