@@ -138,7 +138,6 @@ def run(args) -> int:
     import torch_tvm_gemm as tg
 
     from ..measure import keep_freed_memory
-    from .bench_conv import compare
 
     try:
         import transformers  # noqa: F401
@@ -190,12 +189,12 @@ def run(args) -> int:
                     typical = statistics.median(rounds_eager) / statistics.median(rounds_conv)
                     if args.compile:
                         c_conv, c_eager = torch.compile(converted), torch.compile(eager)
-                        t_c_conv, t_c_eager = compare(
+                        compiled_rounds = time_rounds(
                             lambda i=inputs, m=c_conv: m(**i),
                             lambda i=inputs, m=c_eager: m(**i),
-                            args.reps,
-                            args.rounds,
+                            args,
                         )
+                        t_c_conv, t_c_eager = map(min, compiled_rounds)
                 row = {
                     "model": name,
                     "phase": "prefill",
