@@ -227,8 +227,6 @@ def test_matmul_empty(m, k, n):
         ),
         (torch.ones(3, 4), torch.ones(4, 2, dtype=torch.float64), TypeError, ["'b'", "mixed"]),
         (torch.ones(3, 4), torch.ones(5, 2), ValueError, ["inner dims", "(3, 4)", "(5, 2)"]),
-        (torch.ones(4), torch.ones(4, 2), ValueError, ["'a'", "1-D"]),
-        (torch.ones(2, 2, 3, 4), torch.ones(4, 2), ValueError, ["'a'", "4-D"]),
         (torch.ones(2, 3, 4), torch.ones(3, 4, 2), ValueError, ["batch", "broadcast"]),
         (torch.ones(3, 4), torch.ones(4, 2, device="meta"), RuntimeError, ["'b'", "meta"]),
     ],

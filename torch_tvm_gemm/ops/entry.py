@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
+from .matmul_ranks import matmul_any_rank
 
 # False when run, True while dynamo traces (it is one constant-returning call, where
 # torch.compiler.is_compiling is two: measurable at 1.7 us per call)
@@ -36,15 +37,20 @@ _matmul_entry, _linear_entry = _entries()
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """``torch.matmul(a, b)`` computed by a TVM kernel: the op ``torch.ops.tvm_gemm.matmul``.
 
-    ``a`` is 2-D ``(M, K)`` or 3-D ``(B, M, K)``; ``b`` is ``(K, N)`` or ``(B, K, N)``; batch
-    dims broadcast as in torch (a batch of 1 against B). Dtypes float32, float64, bfloat16,
-    float16 (the narrow ones accumulate in float32); both tensors of one dtype and device.
-    Differentiable; works under ``torch.compile``.
+    The op takes ``a`` 2-D ``(M, K)`` or 3-D ``(B, M, K)`` and ``b`` ``(K, N)`` or
+    ``(B, K, N)``, batch dims broadcast as in torch (a batch of 1 against B). Here the other
+    ranks ``torch.matmul`` takes are reshaped onto it (``ops/matmul_ranks.py``): 1-D vectors,
+    and any number of batch dims, broadcast (e.g. attention's ``(B, H, S, D)``). Dtypes
+    float32, float64, bfloat16, float16 (the narrow ones accumulate in float32); both tensors
+    of one dtype and device. Differentiable; works under ``torch.compile``.
     """
     if _matmul_entry is not None and not _is_compiling():
         out = _matmul_entry(a, b)
         if out is not None:
             return out
+    # (checked after the fast entry, which takes 2-D / 3-D only: no cost to those calls)
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and {a.dim(), b.dim()} - {2, 3}:
+        return matmul_any_rank(a, b, torch.ops.tvm_gemm.matmul)
     return torch.ops.tvm_gemm.matmul(a, b)
 
 
