@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,27 @@ def test_torch_compile_inductor():
     fn = torch.compile(lambda x, w, b: tg.linear(x, w, b, "gelu") * 2, fullgraph=True)
     x, w, b = randn(9, 16), randn(8, 16), randn(8)
     assert_close(fn(x, w, b), F.gelu(F.linear(x, w, b)) * 2, 16)
+
+
+def test_inductor_passes_one_buffer_to_every_consumer():
+    """An input computed in the graph (a normalization before q, k and v) is written once for
+    all the ops that read it: the ops take any layout (``flexible_layout``), so Inductor does
+    not copy their inputs into a buffer of fixed strides per call (it wrote three)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def f(x, w1, w2, w3):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        a = torch.relu(tg.linear(h, w1))  # (work between the consumers, as RoPE in a model)
+        return a + tg.linear(h, w2) + tg.matmul(h, w3.t())
+
+    x, w1, w2, w3 = randn(4, 16, 32), randn(8, 32), randn(8, 32), randn(8, 32)
+    with torch._inductor.config.patch(force_disable_caches=True):  # (code from before a change)
+        out, (code, *_) = run_and_get_code(torch.compile(f), x, w1, w2, w3)
+    assert_close(out, f(x, w1, w2, w3), k=32)
+    inputs = re.findall(
+        r"tvm_gemm\.(?:linear|matmul)\.default\((?:reinterpret_tensor\()?(\w+)", code
+    )
+    assert len(inputs) == 3 and len(set(inputs)) == 1, inputs
 
 
 def test_torch_export():
