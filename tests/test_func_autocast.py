@@ -114,6 +114,42 @@ def test_vmap_rules_fold_or_loop_like_torch(impl):
     assert_close(got, want, k=27)
 
 
+VMAP_MATMUL_CASES = [  # (a, b, in_dims): every batching of 2-D and 3-D samples
+    ((4, 5, 6), (4, 6, 3), (0, 0)),
+    ((5, 4, 6), (4, 6, 3), (1, 0)),
+    ((5, 6), (4, 6, 3), (None, 0)),
+    ((2, 5, 6), (4, 6, 3), (None, 0)),
+    ((4, 2, 5, 6), (4, 6, 3), (0, 0)),
+    ((4, 5, 6), (4, 2, 6, 3), (0, 0)),
+    ((4, 1, 5, 6), (4, 2, 6, 3), (0, 0)),
+    ((4, 2, 5, 6), (2, 6, 3), (0, None)),
+    ((0, 5, 6), (0, 6, 3), (0, 0)),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape,in_dims", VMAP_MATMUL_CASES, ids=str)
+def test_vmap_matmul_is_one_call(impl, a_shape, b_shape, in_dims, monkeypatch):
+    from torch_tvm_gemm import vmap_rules
+
+    def no_loop(*args):
+        raise AssertionError("vmap of matmul ran per sample")
+
+    monkeypatch.setattr(vmap_rules, "_per_sample", no_loop)
+    a, b = randn(*a_shape), randn(*b_shape)
+    got = torch.func.vmap(tg.matmul, in_dims=in_dims)(a, b)
+    want = torch.func.vmap(torch.matmul, in_dims=in_dims)(a, b)
+    assert got.shape == want.shape
+    assert_close(got, want, k=6)
+    grads = torch.func.vmap(torch.func.grad(lambda a, b: tg.matmul(a, b).sum()), in_dims)(a, b)
+    ref = torch.func.vmap(torch.func.grad(lambda a, b: torch.matmul(a, b).sum()), in_dims)(a, b)
+    assert_close(grads, ref, k=6)
+
+
+def test_vmap_matmul_errors_name_a_sample(impl):
+    with pytest.raises(ValueError, match=r"inner dims differ: a is \(5, 6\), b is \(7, 3\)"):
+        torch.func.vmap(tg.matmul)(randn(4, 5, 6), randn(4, 7, 3))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_autocast_casts_like_torch(impl, dtype):
     x, w, b = args()

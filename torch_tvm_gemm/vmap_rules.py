@@ -1,5 +1,6 @@
 """``torch.vmap`` rules for the tvm_gemm ops: a batch over the input only is folded into the
-op's own leading dims (one kernel call); other batchings run once per sample. Without
+op's own leading dims (one kernel call), and matmul folds any batching into its batch dim;
+the other batchings (a batched weight or conv input and more) run once per sample. Without
 rules, torch's fallback runs every vmap per sample (and warns about it)."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401 (defines the ops first)
+from .ops.checks import check_matmul
+from .ops.matmul_ranks import matmul_any_rank
 
 _OPS = torch.ops.tvm_gemm
 
@@ -38,11 +41,25 @@ def _linear_vmap(info, in_dims, x, weight, bias=None, activation="none"):
 
 
 def _matmul_vmap(info, in_dims, a, b):
+    """One call for any batching: the vmap dim becomes a batch dim in front of the samples' own
+    (each sample 2-D or 3-D, as the op takes), and ``matmul_any_rank`` flattens them into
+    the op's one batch dim (views where it can)."""
     in_dims = _dims(in_dims)
     a_dim, b_dim = in_dims
-    if a_dim is not None and b_dim is None and b.dim() == 2 and a.dim() == 3:
-        return _OPS.matmul(a.movedim(a_dim, 0), b), 0  # (B, M, K) @ (K, N)
-    return _per_sample(_OPS.matmul, info, in_dims, (a, b))
+    ranks = [t.dim() - (d is not None) for t, d in ((a, a_dim), (b, b_dim))]
+    if not set(ranks) <= {2, 3}:  # the op's own error, from a sample
+        return _per_sample(_OPS.matmul, info, in_dims, (a, b))
+    if info.batch_size:  # (errors name a sample's shapes, as the op's own do)
+        check_matmul(*(t if d is None else t.select(d, 0) for t, d in ((a, a_dim), (b, b_dim))))
+    front = max(ranks) - 2  # the samples' batch dims (0 or 1), right of the vmap dim
+
+    def batched(t, d, rank):
+        if d is None:
+            return t  # (broadcast: its batch dims align with the samples' from the right)
+        t = t.movedim(d, 0)
+        return t.unsqueeze(1) if rank - 2 < front else t
+
+    return matmul_any_rank(batched(a, a_dim, ranks[0]), batched(b, b_dim, ranks[1]), _OPS.matmul), 0
 
 
 def _conv_vmap(info, in_dims, x, weight, bias, *geometry):
