@@ -4,8 +4,9 @@ The op ``torch.ops.tvm_gemm.matmul`` keeps its schema: ``(M, K)`` or ``(B, M, K)
 side, one batch dimension. The other ranks are reshaped onto it, as ``torch.matmul`` itself
 reshapes onto ``bmm``: a 1-D operand gains a dimension for the product and loses it again
 (a vector), and batch dimensions are broadcast and flattened into the op's single one. An
-operand whose batch dimensions are all 1 is passed as a single matrix (the op broadcasts
-it, nothing is copied); the others are views where the strides allow, so attention's
+operand whose batch dimensions are all 1 is passed as a single matrix, which the op
+broadcasts (a single b: one GEMM over all of a's rows); the others are views where the
+strides allow, so attention's
 ``q @ k.transpose(-2, -1)`` on ``(B, H, S, D)`` reaches the op as ``(B*H, S, D)`` against a
 transposed ``(B*H, D, S)`` view, which the kernel reads in place. All of it is torch's own
 reshapes: autograd, ``torch.compile`` and autocast go through the op as for 2-D and 3-D.
@@ -31,9 +32,10 @@ def matmul_any_rank(a: Tensor, b: Tensor, op: Callable[[Tensor, Tensor], Tensor]
     a2 = a.unsqueeze(0) if a.dim() == 1 else a
     b2 = b.unsqueeze(-1) if b.dim() == 1 else b
     if a2.shape[-1] != b2.shape[-2]:
+        which = "only" if b.dim() == 1 else "second to last"
         raise ValueError(
             f"tvm_gemm.matmul: inner dims differ: a is {tuple(a.shape)}, b is "
-            f"{tuple(b.shape)} (a's last dim must equal b's {'only' if b.dim() == 1 else 'second to last'} dim)"
+            f"{tuple(b.shape)} (a's last dim must equal b's {which} dim)"
         )
     batch = _broadcast(a2.shape[:-2], b2.shape[:-2])
     if batch is None:
