@@ -229,6 +229,11 @@ def test_matmul_empty(m, k, n):
         (torch.ones(3, 4), torch.ones(5, 2), ValueError, ["inner dims", "(3, 4)", "(5, 2)"]),
         (torch.ones(2, 3, 4), torch.ones(3, 4, 2), ValueError, ["batch", "broadcast"]),
         (torch.ones(3, 4), torch.ones(4, 2, device="meta"), RuntimeError, ["'b'", "meta"]),
+        # the ranks torch.matmul takes too (test_matmul_ranks.py): what it also refuses
+        (torch.ones(()), torch.ones(3), ValueError, ["'a'", "0-D"]),
+        (torch.ones(3, 4), torch.ones(()), ValueError, ["'b'", "0-D"]),
+        (torch.ones(2, 3, 4), torch.ones(5), ValueError, ["inner dims", "(2, 3, 4)", "(5,)"]),
+        (torch.ones(2, 2, 3, 4), torch.ones(3, 4, 2), ValueError, ["batch", "(2, 2, 3, 4)"]),
     ],
 )
 def test_matmul_bad_input(a, b, exc, words):
