@@ -17,7 +17,9 @@ on their config and arguments, check shapes, build caches). ``convert`` does not
    place (``inplace_adds``). A region with convs on TVM ops runs its graph channels-last
    for an NCHW input (``region_layout`` says which).
 2. Every linear layer (``nn.Linear``, subclasses that keep its forward, transformers'
-   ``Conv1D``) is swapped for its TVM module in place, parameters shared.
+   ``Conv1D``) is swapped for its TVM module in place, parameters shared, and the experts of
+   transformers' mixture-of-experts layers run their products on the linear op
+   (``moe_experts.py``).
 3. Every ``nn.MaxPool2d`` pools on a channels_last copy (``pooling.py``: torch's NCHW max
    pool is scalar code, its channels_last one vectorised; ResNet's stem pool 3.2 -> 0.7 ms).
 
@@ -49,6 +51,7 @@ from .fusion import FusionTracer, TVMConv2dBiasReLU, fuse_convs_in_graph, is_imp
 from .inplace_adds import inplace_residual_adds
 from .linear_subclasses import note_subclasses
 from .model_precompile import PrecompileSummary, precompile, split_example_inputs
+from .moe_experts import convert_experts, is_experts
 from .nn import (
     TVMConv1D,
     TVMLinear,
@@ -83,7 +86,8 @@ class ConversionSummary:
 
     model: str = ""
     layers: dict[str, str] = field(default_factory=dict)
-    kinds: dict[str, str] = field(default_factory=dict)  # fqn -> "linear" | "conv1d" | "conv2d"
+    # fqn -> "linear" | "conv1d" | "conv2d" | "experts" (a MoE layer's experts: moe_experts.py)
+    kinds: dict[str, str] = field(default_factory=dict)
     regions: list[str] = field(default_factory=list)
     untraced: dict[str, str] = field(default_factory=dict)
     pools: list[str] = field(default_factory=list)
@@ -113,7 +117,7 @@ class ConversionSummary:
     def line(self) -> str:
         """One line for the log."""
         parts = []
-        for kind in ("linear", "conv1d", "conv2d"):
+        for kind in ("linear", "conv1d", "conv2d", "experts"):
             if self.found(kind):
                 parts.append(f"{self.converted(kind)}/{self.found(kind)} {kind}")
         fused = len(self.fused)
@@ -450,6 +454,8 @@ def _kind(module: nn.Module) -> str | None:
         return "conv1d"
     if isinstance(module, nn.Linear):
         return "linear"
+    if is_experts(module):
+        return "experts"
     return None
 
 
@@ -466,7 +472,7 @@ def convert(
 
     Returns ``model`` itself, converted in place (``inplace=False``: a converted deep copy):
     same class, call signature, outputs and ``state_dict`` keys. ``linear_filter(module,
-    fqn)`` chooses the linear layers to convert (default: all). The summary (every Linear,
+    fqn)`` chooses the linear layers (and MoE experts modules) to convert (default: all). The summary (every Linear,
     Conv1D and Conv2d found, what it became or why it was left alone) is logged as one line
     (logger ``torch_tvm_gemm``) and kept as ``model.conversion_summary``
     (a ``ConversionSummary``; ``print`` it for one line per layer).
@@ -515,6 +521,7 @@ def convert(
             if fqn not in records or what.startswith("left")
         }
     )
+    records.update(convert_experts(model, allowed))
     for fqn, kind in summary.kinds.items():
         what = records.get(fqn)
         if what is None and isinstance(model.get_submodule(fqn), (TVMLinear, TVMConv1D)):

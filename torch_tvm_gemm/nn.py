@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .kernels.gemm import ACTIVATIONS
 from .linear_subclasses import note_subclasses, plain_forward
+from .moe_experts import unconvert_experts
 from .ops import entry
 
 # transformers' activation classes (matched by name: transformers is optional), with the
@@ -292,7 +293,9 @@ def _call_filter(filter_fn, module: nn.Module, fqn: str) -> bool:
 
 
 def unswap_linear(model: nn.Module) -> nn.Module:
-    """Undo ``swap_linear``: TVMLinear back to ``nn.Linear``, fused activations restored."""
+    """Undo ``swap_linear``: TVMLinear back to ``nn.Linear``, fused activations restored
+    (and MoE experts converted by ``convert`` on their own forward again)."""
+    unconvert_experts(model)
     for name, child in list(model.named_children()):
         if isinstance(child, TVMConv1D):
             setattr(model, name, _conv1d_back(child))

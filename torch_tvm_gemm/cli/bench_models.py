@@ -2,13 +2,14 @@
 
 Models are built from transformers configs with random weights (nothing is downloaded): a
 BERT-style encoder, GPT-2, a LLaMA-style decoder stack, ResNet-50 (``ResNetModel``) and a
-MobileNetV2. For each model, dtype and batch size: eager time, converted time (same run,
+MobileNetV2; on request (``--models mixtral``) a Mixtral-style stack, the LLaMA-style one with
+a mixture of 8 experts. For each model, dtype and batch size: eager time, converted time (same run,
 alternating rounds, best of each), their ratio (above 1: converted faster), the same ratio
 over each side's median round (on a busy machine a typical call can trail the best by 10%
 or more, and not by as much on both sides), layers on TVM ops / found, max error vs eager
 relative to the output's largest value, and the first call after ``convert`` (kernel builds
 or cache loads included). With ``--decode STEPS`` the decoder
-models (GPT-2, LLaMA) also get a "decode" row: seconds per generated token on a KV cache
+models (GPT-2, LLaMA, Mixtral) also get a "decode" row: seconds per generated token on a KV cache
 after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. With ``--alone``
 each row is also timed with eager and converted each in a process of its own, as a user's
 script runs one model (``bench_models_alone`` says why that can differ). Needs ``pip install
@@ -25,13 +26,14 @@ import time
 
 from . import bench_models_alone
 
-MODELS = ("bert", "gpt2", "llama", "resnet50", "mobilenet")
-DECODERS = ("gpt2", "llama")  # the models with a KV cache
+MODELS = ("bert", "gpt2", "llama", "resnet50", "mobilenet")  # the default set
+MORE_MODELS = ("mixtral",)  # on request
+DECODERS = ("gpt2", "llama", "mixtral")  # the models with a KV cache
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench-models", help="transformers models: eager vs convert(), end to end")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + MORE_MODELS)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     p.add_argument("--seq", type=int, default=128, help="sequence length of the text models")
@@ -57,7 +59,7 @@ def register(sub) -> None:
         type=int,
         default=0,
         metavar="STEPS",
-        help="also time STEPS one-token calls on a KV cache (GPT-2, LLaMA): per token",
+        help="also time STEPS one-token calls on a KV cache (GPT-2, LLaMA, Mixtral): per token",
     )
     bench_models_alone.add_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -89,12 +91,24 @@ def build(name: str, layers: int, channels_last: bool = False):
             vocab_size=32000,
         )
         model = transformers.LlamaModel(config)
+    elif name == "mixtral":  # the LLaMA-style stack with a mixture of 8 experts, 2 per token
+        config = transformers.MixtralConfig(
+            num_hidden_layers=layers,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+        )
+        model = transformers.MixtralModel(config)
     elif name == "resnet50":
         model = transformers.ResNetModel(transformers.ResNetConfig())  # the ResNet-50 layout
     else:
         # the default config, as the released checkpoints: TensorFlow-style padding
         model = transformers.MobileNetV2Model(transformers.MobileNetV2Config())
-    if name in ("bert", "gpt2", "llama"):
+    if name in ("bert", "gpt2", "llama", "mixtral"):
         vocab = model.config.vocab_size
         return model.eval(), lambda b, s, i, dtype: {"input_ids": torch.randint(0, vocab, (b, s))}
     layout = torch.channels_last if channels_last else torch.contiguous_format
