@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import torch_tvm_gemm as tg
+from torch_tvm_gemm import moe_experts
 from torch_tvm_gemm.moe_experts import experts_forward
 
 transformers = pytest.importorskip("transformers")
@@ -114,7 +115,9 @@ def _routers(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_moe_family_training_step(family):
+@pytest.mark.parametrize("gate_once", [True, False], ids=["gate-once", "gate-per-expert"])
+def test_moe_family_training_step(family, gate_once, monkeypatch):
+    monkeypatch.setattr(moe_experts, "GATE_ONCE_MAX", 1 << 30 if gate_once else 0)
     torch.manual_seed(0)
     model = _randomize(FAMILIES[family]())
     converted = tg.convert(copy.deepcopy(model))
@@ -207,7 +210,10 @@ def _exact(experts, hidden, index, weights):
     ids=["ungated", "transposed-bias", "post-norm"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_layouts_and_dtypes(flags, dtype):
+@pytest.mark.parametrize("gate_once", [True, False], ids=["gate-once", "gate-per-expert"])
+def test_experts_layouts_and_dtypes(flags, dtype, gate_once, monkeypatch):
+    # (a few tokens run the gate once on every expert's output, many tokens per expert)
+    monkeypatch.setattr(moe_experts, "GATE_ONCE_MAX", 1 << 30 if gate_once else 0)
     torch.manual_seed(0)
     experts = _plain_experts(**flags).to(dtype)
     hidden = torch.randn(9, 16, dtype=dtype)

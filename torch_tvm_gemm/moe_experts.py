@@ -26,6 +26,9 @@ from torch import Tensor, nn
 
 from .ops.entry import linear
 
+# Token-expert pairs x gate-up width up to which the gate runs once on all experts' outputs.
+GATE_ONCE_MAX = 1 << 19
+
 # The dtypes the linear op takes (an FP8 experts module keeps its own kernels).
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -93,16 +96,31 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     order = torch.argsort(expert_ids, stable=True)
     up_w = module.gate_up_proj if module.has_gate else module.up_proj
     up_b = _bias(module, "gate_up_proj_bias" if module.has_gate else "up_proj_bias")
-    down_b = _bias(module, "down_proj_bias")
+    down_w, down_b = module.down_proj, _bias(module, "down_proj_bias")
+    gate = module._apply_gate if module.has_gate else module.act_fn
     x = hidden_states[order // k].to(up_w.dtype)
-    outs, start = [], 0
+    hit, start = [], 0  # (expert, its rows of x) for each expert with tokens
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        h = linear(x[start : start + n], _nk(module, up_w[e]), _at(up_b, e))
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        outs.append(linear(h, _nk(module, module.down_proj[e]), _at(down_b, e)))
+        if n:
+            hit.append((e, x[start : start + n]))
         start += n
+    if x.shape[0] * up_w.shape[2 if module.is_transposed else 1] <= GATE_ONCE_MAX:
+        # A few tokens: the gate's torch ops (a split, the activation, a product) once for
+        # every expert, not per expert (8 tokens, Mixtral's 8 experts: 0.86 -> 0.91x
+        # grouped_mm, 32 tokens 1.13 -> 1.23x; from ~128 tokens the copy into one tensor costs
+        # more than it saves).
+        ups = [linear(xe, _nk(module, up_w[e]), _at(up_b, e)) for e, xe in hit]
+        hs = gate(torch.cat(ups)).split([xe.shape[0] for _, xe in hit]) if ups else []
+        outs = [
+            linear(h, _nk(module, down_w[e]), _at(down_b, e))
+            for (e, _), h in zip(hit, hs, strict=True)
+        ]
+    else:
+        outs = [
+            linear(gate(linear(xe, _nk(module, up_w[e]), _at(up_b, e))), _nk(module, down_w[e]),
+                   _at(down_b, e))
+            for e, xe in hit
+        ]  # fmt: skip
     if not outs:  # (no tokens)
         return torch.zeros_like(hidden_states)
     out = torch.cat(outs)
