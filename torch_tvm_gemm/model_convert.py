@@ -472,9 +472,10 @@ def convert(
 
     Returns ``model`` itself, converted in place (``inplace=False``: a converted deep copy):
     same class, call signature, outputs and ``state_dict`` keys. ``linear_filter(module,
-    fqn)`` chooses the linear layers (and MoE experts modules) to convert (default: all). The summary (every Linear,
-    Conv1D and Conv2d found, what it became or why it was left alone) is logged as one line
-    (logger ``torch_tvm_gemm``) and kept as ``model.conversion_summary``
+    fqn)`` chooses the linear layers (and MoE experts modules) to convert (default: all).
+    The summary (every Linear, Conv1D, Conv2d and MoE experts module found, what it became
+    or why it was left alone) is logged as one line (logger ``torch_tvm_gemm``) and kept as
+    ``model.conversion_summary``
     (a ``ConversionSummary``; ``print`` it for one line per layer).
 
     BN folding uses the running statistics of eval-mode BatchNorms (refolded when the conv

@@ -2,18 +2,18 @@
 
 Models are built from transformers configs with random weights (nothing is downloaded): a
 BERT-style encoder, GPT-2, a LLaMA-style decoder stack, ResNet-50 (``ResNetModel``) and a
-MobileNetV2; on request (``--models mixtral``) a Mixtral-style stack, the LLaMA-style one with
-a mixture of 8 experts. For each model, dtype and batch size: eager time, converted time (same run,
-alternating rounds, best of each), their ratio (above 1: converted faster), the same ratio
-over each side's median round (on a busy machine a typical call can trail the best by 10%
-or more, and not by as much on both sides), layers on TVM ops / found, max error vs eager
-relative to the output's largest value, and the first call after ``convert`` (kernel builds
-or cache loads included). With ``--decode STEPS`` the decoder
-models (GPT-2, LLaMA, Mixtral) also get a "decode" row: seconds per generated token on a KV cache
-after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. With ``--alone``
-each row is also timed with eager and converted each in a process of its own, as a user's
-script runs one model (``bench_models_alone`` says why that can differ). Needs ``pip install
-torch_tvm_gemm[models]`` (transformers).
+MobileNetV2; on request (``--models mixtral``) a Mixtral-style stack, the LLaMA-style one
+with a mixture of 8 experts. For each model, dtype and batch size: eager time, converted
+time (same run, alternating rounds, best of each), their ratio (above 1: converted faster),
+the same ratio over each side's median round (on a busy machine a typical call can trail
+the best by 10% or more, and not by as much on both sides), layers on TVM ops / found, max
+error vs eager relative to the output's largest value, and the first call after
+``convert`` (kernel builds or cache loads included). With ``--decode STEPS`` the decoder
+models (GPT-2, LLaMA, Mixtral) also get a "decode" row: seconds per generated token on a KV
+cache after a prefill of ``--seq`` tokens, where every Linear runs at M = batch. With
+``--alone`` each row is also timed with eager and converted each in a process of its own,
+as a user's script runs one model (``bench_models_alone`` says why that can differ). Needs
+``pip install torch_tvm_gemm[models]`` (transformers).
 """
 
 from __future__ import annotations
