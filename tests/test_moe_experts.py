@@ -84,7 +84,8 @@ def _ids():
 
 
 def _linear_calls(fn) -> int:
-    with torch.profiler.profile() as prof:
+    # (no_grad: with autograd the op's entry is recorded twice)
+    with torch.profiler.profile() as prof, torch.no_grad():
         fn()
     return sum(e.count for e in prof.key_averages() if e.key == "tvm_gemm::linear")
 
@@ -270,6 +271,12 @@ def test_experts_filter_copy_pickle_and_unswap():
             "linear"
         )
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # the user's later choice of experts implementation is honoured
+    calls = _linear_calls(lambda: model(input_ids=ids))
+    model.set_experts_implementation("eager")
+    assert _linear_calls(lambda: model(input_ids=ids)) == model.conversion_summary.found("linear")
+    model.set_experts_implementation("grouped_mm")
+    assert _linear_calls(lambda: model(input_ids=ids)) == calls
     tg.unswap_linear(model)
     assert "forward" not in model.layers[0].mlp.experts.__dict__
     assert _linear_calls(lambda: model(input_ids=ids)) == 0

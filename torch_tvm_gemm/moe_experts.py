@@ -56,15 +56,19 @@ def why_not(module: nn.Module) -> str | None:
 
 class ExpertsForward:
     """The ``forward`` set on a converted experts module. An object rather than a bound
-    function so that the model pickles and deep-copies."""
+    function so that the model pickles and deep-copies. The module's own forward runs where
+    this one does not apply, and once the model's experts implementation is set to another
+    one than at conversion (``model.set_experts_implementation(...)``: the user's choice)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, implementation: str | None = None) -> None:
         self.module = module
+        self.implementation = implementation or _implementation(module)
 
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):
         module = self.module
         if (
             torch.compiler.is_compiling()
+            or _implementation(module) != self.implementation
             or getattr(module, "_is_expert_parallel", False)
             or hidden_states.dim() != 2
             or top_k_index.dim() != 2
@@ -74,7 +78,11 @@ class ExpertsForward:
         return experts_forward(module, hidden_states, top_k_index, top_k_weights)
 
     def __reduce__(self):
-        return (ExpertsForward, (self.module,))
+        return (ExpertsForward, (self.module, self.implementation))
+
+
+def _implementation(module: nn.Module) -> str | None:
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
 
 
 def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
