@@ -29,6 +29,14 @@ from . import bench_models_alone
 MODELS = ("bert", "gpt2", "llama", "resnet50", "mobilenet")  # the default set
 MORE_MODELS = ("mixtral",)  # on request
 DECODERS = ("gpt2", "llama", "mixtral")  # the models with a KV cache
+# The LLaMA-style stack's shape (and the Mixtral-style one's, with experts of this width)
+LLAMA_STYLE = dict(
+    hidden_size=512,
+    intermediate_size=1376,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=32000,
+)
 
 
 def register(sub) -> None:
@@ -82,25 +90,11 @@ def build(name: str, layers: int, channels_last: bool = False):
         config = transformers.GPT2Config(n_layer=layers)  # 768, 12 heads, tied lm_head
         model = transformers.GPT2LMHeadModel(config)
     elif name == "llama":
-        config = transformers.LlamaConfig(
-            num_hidden_layers=layers,
-            hidden_size=512,
-            intermediate_size=1376,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            vocab_size=32000,
-        )
+        config = transformers.LlamaConfig(**LLAMA_STYLE, num_hidden_layers=layers)
         model = transformers.LlamaModel(config)
     elif name == "mixtral":  # the LLaMA-style stack with a mixture of 8 experts, 2 per token
         config = transformers.MixtralConfig(
-            num_hidden_layers=layers,
-            hidden_size=512,
-            intermediate_size=1376,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            vocab_size=32000,
+            **LLAMA_STYLE, num_hidden_layers=layers, num_local_experts=8, num_experts_per_tok=2
         )
         model = transformers.MixtralModel(config)
     elif name == "resnet50":
