@@ -140,6 +140,52 @@ py::object linear_entry(py::handle x, py::handle weight, py::handle bias, py::ha
   return wrap(std::move(out));
 }
 
+// A mixture-of-experts layer's products (torch_tvm_gemm/moe_experts.py): x's rows taken in
+// groups of counts[e] rows, group e times expert e's weight (weight[e], (N, K); its transpose
+// when the experts store (K, N)) plus bias[e], the results concatenated. One call for every
+// expert: from Python each expert's product cost ~12 us of glue around the op (a slice, a
+// select, the call), as much as the product of a row or two itself.
+py::object grouped_linear_entry(py::handle x, const std::vector<int64_t>& counts,
+                                py::handle weight, py::handle bias, bool transposed) {
+  const bool has_bias = !bias.is_none();
+  if (!plain_call() || !plain_tensor(x.ptr()) || !plain_tensor(weight.ptr()) ||
+      (has_bias && !plain_tensor(bias.ptr()))) {
+    return py::none();
+  }
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tvm_gemm::linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view)>();
+  const at::Tensor& tx = THPVariable_Unpack(x.ptr());
+  const at::Tensor& tw = THPVariable_Unpack(weight.ptr());
+  std::optional<at::Tensor> tbias;
+  if (has_bias) tbias = THPVariable_Unpack(bias.ptr());
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  if (tx.dim() != 2 || tw.dim() != 3 || static_cast<int64_t>(counts.size()) != tw.size(0) ||
+      total != tx.size(0) || total == 0) {
+    return py::none();  // (Python's loop: its errors, or the empty case)
+  }
+  at::Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    std::vector<at::Tensor> parts;
+    int64_t start = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      const at::Tensor w = transposed ? tw.select(0, e).t() : tw.select(0, e);
+      std::optional<at::Tensor> b;
+      if (tbias) b = tbias->select(0, e);
+      parts.push_back(op.call(tx.narrow(0, start, n), w, b, "none"));
+      start += n;
+    }
+    out = parts.size() == 1 ? parts[0] : at::cat(parts);
+  }
+  return wrap(std::move(out));
+}
+
 }  // namespace
 
 void add_python_entries(py::module_& m) {
@@ -150,6 +196,10 @@ void add_python_entries(py::module_& m) {
         py::arg("activation"),
         "tvm_gemm::linear(x, weight, bias, activation) through the dispatcher, or None when the\n"
         "call is not plain: then use torch.ops.tvm_gemm.linear.");
+  m.def("grouped_linear_entry", &grouped_linear_entry, py::arg("x"), py::arg("counts"),
+        py::arg("weight"), py::arg("bias"), py::arg("transposed"),
+        "cat([tvm_gemm::linear(rows of group e, weight[e] (or its transpose), bias[e])]) for the\n"
+        "groups of counts[e] rows of x, or None when the call is not plain or not well formed.");
 }
 
 }  // namespace tvm_gemm

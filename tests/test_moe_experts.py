@@ -307,3 +307,34 @@ def test_bench_models_builds_the_mixtral_stack():
     assert set(make(2, 8, 0, torch.float32)) == {"input_ids"} and "mixtral" in DECODERS
     summary = tg.convert(model).conversion_summary
     assert summary.converted("experts") == summary.found("experts") == 1
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_linear_entry_and_its_python_loop(transposed, monkeypatch):
+    """The experts' products in one call (the C++ entry's loop) and the package's Python loop
+    give the same values and gradients, idle experts and a bias included."""
+    from torch_tvm_gemm.ops import entry
+
+    torch.manual_seed(0)
+    counts = [3, 0, 5, 1]
+    shape = (4, 24, 40) if transposed else (4, 40, 24)  # 4 experts, K = 24, N = 40
+    results = []
+    for path in ("entry", "python"):
+        if path == "python":
+            monkeypatch.setattr(entry, "_grouped_linear_entry", None)
+        torch.manual_seed(0)
+        x = torch.randn(9, 24, requires_grad=True)
+        weight = torch.randn(shape, requires_grad=True)
+        bias = torch.randn(4, 40, requires_grad=True)
+        out = entry.grouped_linear(x, counts, weight, bias, transposed)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, weight.grad, bias.grad))
+    expected, start = [], 0
+    for e, n in enumerate(counts):
+        w = weight[e].T if transposed else weight[e]
+        expected.append(torch.nn.functional.linear(x[start : start + n], w, bias[e]))
+        start += n
+    torch.testing.assert_close(results[0][0], torch.cat(expected).detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert all(r[2][1].abs().max() == 0 for r in results)  # the idle expert's weight

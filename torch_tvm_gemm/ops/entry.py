@@ -27,11 +27,11 @@ _is_compiling = torch.compiler.is_dynamo_compiling
 def _entries():
     ext = _ext.load()
     if ext is None or not hasattr(ext, "matmul_entry"):  # not built, or built before it existed
-        return None, None
-    return ext.matmul_entry, ext.linear_entry
+        return None, None, None
+    return ext.matmul_entry, ext.linear_entry, getattr(ext, "grouped_linear_entry", None)
 
 
-_matmul_entry, _linear_entry = _entries()
+_matmul_entry, _linear_entry, _grouped_linear_entry = _entries()
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -71,3 +71,24 @@ def linear(
         if out is not None:
             return out
     return torch.ops.tvm_gemm.linear(x, weight, bias, activation)
+
+
+def grouped_linear(
+    x: Tensor, counts: list[int], weight: Tensor, bias: Tensor | None, transposed: bool
+) -> Tensor:
+    """The products of a mixture-of-experts layer (``moe_experts.py``): ``x``'s rows taken in
+    groups of ``counts[e]`` rows (in order), group e times expert e's weight ``weight[e]``
+    (``(N, K)``, or ``(K, N)`` when ``transposed``) plus ``bias[e]``, each on the linear op,
+    the results concatenated ``(sum(counts), N)``. One call into the C++ entry for every
+    expert when the call is plain."""
+    if _grouped_linear_entry is not None and not _is_compiling():
+        out = _grouped_linear_entry(x, counts, weight, bias, transposed)
+        if out is not None:
+            return out
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            w = weight[e].T if transposed else weight[e]
+            outs.append(linear(x[start : start + n], w, None if bias is None else bias[e]))
+        start += n
+    return torch.cat(outs) if outs else x.new_empty(0, weight.shape[2 if transposed else 1])
