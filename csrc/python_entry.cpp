@@ -113,20 +113,36 @@ py::object matmul_entry(py::handle a, py::handle b) {
   return wrap(std::move(out));
 }
 
+using LinearOp =
+    c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                        const std::optional<at::Tensor>&, c10::string_view)>;
+
+const LinearOp& linear_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tvm_gemm::linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, c10::string_view)>();
+  return op;
+}
+
+// A plain linear call's tensors (x, weight, bias or None), or false.
+bool plain_linear(py::handle x, py::handle weight, py::handle bias) {
+  return plain_call() && plain_tensor(x.ptr()) && plain_tensor(weight.ptr()) &&
+         (bias.is_none() || plain_tensor(bias.ptr()));
+}
+
+std::optional<at::Tensor> unpack_bias(py::handle bias) {
+  if (bias.is_none()) return std::nullopt;
+  return THPVariable_Unpack(bias.ptr());
+}
+
 py::object linear_entry(py::handle x, py::handle weight, py::handle bias, py::handle activation) {
-  const bool has_bias = !bias.is_none();
-  if (!plain_call() || !plain_tensor(x.ptr()) || !plain_tensor(weight.ptr()) ||
-      (has_bias && !plain_tensor(bias.ptr())) || !PyUnicode_CheckExact(activation.ptr())) {
+  if (!plain_linear(x, weight, bias) || !PyUnicode_CheckExact(activation.ptr())) {
     return py::none();
   }
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("tvm_gemm::linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view)>();
+  const LinearOp& op = linear_op();
   const std::string act = activation.cast<std::string>();
-  std::optional<at::Tensor> tbias;
-  if (has_bias) tbias = THPVariable_Unpack(bias.ptr());
+  const std::optional<at::Tensor> tbias = unpack_bias(bias);
   const at::Tensor& tx = THPVariable_Unpack(x.ptr());
   const at::Tensor& tw = THPVariable_Unpack(weight.ptr());
   if (small_product(tx.numel(), tw.dim() > 0 ? tw.size(0) : 1, tw.numel())) {
@@ -147,20 +163,11 @@ py::object linear_entry(py::handle x, py::handle weight, py::handle bias, py::ha
 // select, the call), as much as the product of a row or two itself.
 py::object grouped_linear_entry(py::handle x, const std::vector<int64_t>& counts,
                                 py::handle weight, py::handle bias, bool transposed) {
-  const bool has_bias = !bias.is_none();
-  if (!plain_call() || !plain_tensor(x.ptr()) || !plain_tensor(weight.ptr()) ||
-      (has_bias && !plain_tensor(bias.ptr()))) {
-    return py::none();
-  }
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("tvm_gemm::linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view)>();
+  if (!plain_linear(x, weight, bias)) return py::none();
+  const LinearOp& op = linear_op();
   const at::Tensor& tx = THPVariable_Unpack(x.ptr());
   const at::Tensor& tw = THPVariable_Unpack(weight.ptr());
-  std::optional<at::Tensor> tbias;
-  if (has_bias) tbias = THPVariable_Unpack(bias.ptr());
+  const std::optional<at::Tensor> tbias = unpack_bias(bias);
   int64_t total = 0;
   for (int64_t n : counts) total += n;
   if (tx.dim() != 2 || tw.dim() != 3 || static_cast<int64_t>(counts.size()) != tw.size(0) ||
