@@ -125,7 +125,7 @@ const LinearOp& linear_op() {
   return op;
 }
 
-// A plain linear call's tensors (x, weight, bias or None), or false.
+// Whether x, weight and bias (or None) make a plain call (see the top of this file).
 bool plain_linear(py::handle x, py::handle weight, py::handle bias) {
   return plain_call() && plain_tensor(x.ptr()) && plain_tensor(weight.ptr()) &&
          (bias.is_none() || plain_tensor(bias.ptr()));
