@@ -310,6 +310,23 @@ def test_linear_gemv_odd_n(dtype, k):
     torch.testing.assert_close(out, want, equal_nan=True, **tolerance(dtype, k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_gemv_long_rows(dtype):
+    # Rows of 2048 values: the prefetching kernel in bf16 (4 KB rows), the scheduled one in
+    # float32 (8 KB rows, where the hardware prefetchers alone read faster); both correct.
+    from torch_tvm_gemm.runtime import table
+    from torch_tvm_gemm.schedules import cpu_gemv
+
+    x, w, b = randn(1, 2048, dtype=dtype), randn(301, 2048, dtype=dtype), randn(301, dtype=dtype)
+    table.clear_table()
+    out = tg.linear(x, w, b, "relu")
+    (spec,) = table._table
+    assert (spec.variant, spec.b_layout) == ("gemv", "nk")
+    assert cpu_gemv.applies(spec) == (dtype == torch.bfloat16)
+    want = reference(x, w, b, "relu").to(dtype)
+    torch.testing.assert_close(out, want, **tolerance(dtype, 2048))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 @pytest.mark.parametrize("k", [80, 77])
