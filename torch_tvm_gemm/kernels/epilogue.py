@@ -97,7 +97,10 @@ def _exp(x, dtype: str, fast: bool):
 
 def _erf(x, dtype: str, fast: bool):
     """erf(x): TVM's own, or (``fast``) Abramowitz & Stegun 7.1.26, |error| < 1.5e-7, the
-    approximation of torch's vectorized CPU erf."""
+    approximation of torch's vectorized CPU erf. |x| and the sign put back are ``abs`` and
+    ``copysign`` (bit operations), not selects on ``x < 0``: with the selects LLVM took 18-20
+    s over a packed kernel with this epilogue (N = 100, K = 77; 10.9 s at N = 3072, K = 768)
+    where relu took 0.5-0.8 s; 1.6 s and 2.6 s now."""
     from tvm import tirx
 
     if not fast:
@@ -106,13 +109,12 @@ def _erf(x, dtype: str, fast: bool):
     def c(v):
         return tirx.const(v, dtype)
 
-    a = tirx.Select(x < c(0.0), -x, x)
+    a = tirx.abs(x)
     t = c(1.0) / (c(1.0) + c(_ERF_P) * a)
     p = c(_ERF_POLY[0])
     for coef in _ERF_POLY[1:]:
         p = p * t + c(coef)
-    y = c(1.0) - p * t * _exp(-a * a, dtype, fast)
-    return tirx.Select(x < c(0.0), -y, y)
+    return tirx.copysign(c(1.0) - p * t * _exp(-a * a, dtype, fast), x)
 
 
 def _fast(dtype: str, device: str) -> bool:
