@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
 # One cache for the whole session, set before torch_tvm_gemm is imported: each kernel is
-# compiled once per session however many tests use it. Tests of the cache itself use their
-# own directories.
-_SESSION_CACHE = tempfile.mkdtemp(prefix="tvm_gemm_test_cache_")
-os.environ.setdefault("TVM_GEMM_CACHE_DIR", _SESSION_CACHE)
+# compiled once per session however many tests use it, and the directory removed at exit
+# (a full run leaves ~45 MB of kernels). A TVM_GEMM_CACHE_DIR set by the caller is used
+# instead, and kept. Tests of the cache itself use their own directories.
+if "TVM_GEMM_CACHE_DIR" not in os.environ:
+    os.environ["TVM_GEMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvm_gemm_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["TVM_GEMM_CACHE_DIR"], ignore_errors=True)
 
 import torch_tvm_gemm  # noqa: E402,F401
 from torch_tvm_gemm.measure import tolerance  # noqa: E402 (the package's one table)
