@@ -98,9 +98,9 @@ def _exp(x, dtype: str, fast: bool):
 def _erf(x, dtype: str, fast: bool):
     """erf(x): TVM's own, or (``fast``) Abramowitz & Stegun 7.1.26, |error| < 1.5e-7, the
     approximation of torch's vectorized CPU erf. |x| and the sign put back are ``abs`` and
-    ``copysign`` (bit operations), not selects on ``x < 0``: with the selects LLVM took 18-20
-    s over a packed kernel with this epilogue (N = 100, K = 77; 10.9 s at N = 3072, K = 768)
-    where relu took 0.5-0.8 s; 1.6 s and 2.6 s now."""
+    ``copysign`` (bit operations), not selects on ``x < 0``: with the selects LLVM spent
+    18-20 s on a packed kernel with this epilogue (N = 100, K = 77; 10.9 s at N = 3072, K =
+    768) where relu took 0.5-0.8 s; 1.6 s and 2.6 s now."""
     from tvm import tirx
 
     if not fast:

@@ -16,14 +16,15 @@ lm_head) 0.75x -> 0.97x; one weight called again and again (kept in cache): 768 
 both ways (4096 x 4096 1.00x -> 0.90x in cache, 0.89x -> 0.87x from memory). So it takes
 rows of at most PREFETCH_MAX_K values, with a static K; the rest keep the scheduled kernel.
 Rows of 2048 values (8 KB; TinyLlama's and LLaMA-3.2-1B's hidden size), measured later on
-an Intel Xeon (Emerald Rapids, 2 threads), weights cycled through 1.5 GB (from DRAM, as a real model's) and 48 MB (the L3), against
-F.linear, this kernel -> the scheduled one: 2048 x 2048 0.93-0.94x -> 0.96-0.98x, 5632 x
-2048 0.92-0.95x -> 0.95-1.00x, 256 x 2048 0.92-0.93x -> 0.94-0.97x in alternating processes,
-while rows of 1536 values kept this kernel ahead (0.97-1.00x against 0.92-0.95x): float32
-rows up to 1536 values here. A prefetch 16 or 32 KB ahead instead of 8 gained 1-3% at K >=
-2048 from DRAM, still behind the scheduled kernel there; the scheduled kernel's groups of
-8 rows ran at 0.46x (2 rows: as 4; 6 rows: within 3%). End to end the change was within the
-noise: a TinyLlama-shaped stack (4 layers) decoded at 0.95-0.97x eager either way.
+an Intel Xeon (Emerald Rapids, 2 threads), weights cycled through 1.5 GB (from DRAM, as a
+real model's) and 48 MB (the L3), against F.linear, this kernel -> the scheduled one: 2048 x
+2048 0.93-0.94x -> 0.96-0.98x, 5632 x 2048 0.92-0.95x -> 0.95-1.00x, 256 x 2048 0.92-0.93x
+-> 0.94-0.97x in alternating processes, while rows of 1536 values kept this kernel ahead
+(0.97-1.00x against 0.92-0.95x): float32 rows up to 1536 values here. A prefetch 16 or 32 KB
+ahead instead of 8 gained 1-3% at K >= 2048 from DRAM, still behind the scheduled kernel
+there; the scheduled kernel's groups of 8 rows ran at 0.46x (2 rows: as 4; 6 rows: within
+3%). End to end the change was within the noise: a TinyLlama-shaped stack (4 layers)
+decoded at 0.95-0.97x eager either way.
 
 bfloat16 runs the same loops on its fp32 widening (the sums in fp32, the output rounded
 once, as the scheduled kernel did). Kernels alone, M = 1, 2 threads, Intel Xeon (Emerald
