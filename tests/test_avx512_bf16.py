@@ -136,6 +136,28 @@ def test_compiles_to_dot_products_in_registers(spec):
         assert not stores, stores[:3]
 
 
+def test_target_names_the_cpus_instruction_sets(monkeypatch):
+    """A VM may show a CPU model whose LLVM name lacks the instruction sets the CPU has (KVM
+    showing a Xeon with AMX and AVX512-BF16 as model 167, "rocketlake" to LLVM): the target
+    names them from the CPU's flags, else LLVM aborts the build on vdpbf16ps."""
+    import tvm
+    import tvm.target.codegen
+
+    from torch_tvm_gemm.compiler import build
+
+    flags = {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "avx512_bf16", "amx_tile"}
+    monkeypatch.setattr(build, "host_cpu", lambda: CpuInfo("x86_64", "vm", frozenset(flags)))
+    monkeypatch.setattr(tvm.target.codegen, "llvm_get_system_cpu", lambda: "rocketlake")
+    target = build.llvm_target_json()
+    assert target["mcpu"] == "rocketlake"
+    assert {"+avx512bf16", "+amx-tile", "+avx512f", "+fma"} <= set(target["mattr"])
+    assert "+amx-bf16" not in target["mattr"] and "+avx512fp16" not in target["mattr"]
+    spec = gemm_spec("bfloat16", 64, 64, 96, "nk", bias=True, activation="relu")
+    mod = cpu_avx512_bf16.schedule_gemm_dp(spec)
+    asm = tvm.compile(mod, target=tvm.target.Target(target)).mod.inspect_source("asm")
+    assert "vdpbf16ps" in asm
+
+
 @needs_bf16_dot
 @pytest.mark.parametrize("m", [1, 4, 7, 8, 12, 13, 16, 20, 33, 127])
 @pytest.mark.parametrize(("n", "k"), [(64, 96), (50, 70), (96, 2), (32, 1030), (32, 8320)])

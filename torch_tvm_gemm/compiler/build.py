@@ -17,15 +17,37 @@ from ..target import cuda_arch, host_cpu
 from .cuda_pack import CudaExecutable
 from .tune_space import tuned_module
 
+# The x86 instruction sets the schedules emit, as /proc/cpuinfo flags -> LLVM features.
+_X86_LLVM_FEATURES = {
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512cd": "avx512cd",
+    "avx512_vnni": "avx512vnni",
+    "avx512_bf16": "avx512bf16",
+    "avx512_fp16": "avx512fp16",
+    "amx_tile": "amx-tile",
+    "amx_bf16": "amx-bf16",
+}
+
 
 def llvm_target_json() -> dict:
-    """The TVM target for this host CPU."""
+    """The TVM target for this host CPU. Its instruction sets are named from the CPU's own
+    flags, not left to the CPU model LLVM infers: a VM may present a model whose LLVM name
+    lacks them (KVM showing a Xeon with AMX and AVX512-BF16 as model 167, which LLVM calls
+    "rocketlake"), and LLVM aborts on an instruction its target does not have."""
     from tvm.target import codegen
 
     cpu = host_cpu()
     target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
-    if cpu.amx_bf16:  # LLVM may not know this CPU's model (a VM): name the tile features
-        target["mattr"] = ["+amx-tile", "+amx-bf16"]
+    if cpu.arch == "x86_64":
+        target["mattr"] = sorted(
+            f"+{feature}" for flag, feature in _X86_LLVM_FEATURES.items() if flag in cpu.features
+        )
     if cpu.arch == "aarch64":
         target["mtriple"] = "aarch64-linux-gnu"
     return target
