@@ -104,6 +104,7 @@ setup(
         # transformers: the model tests and bench-models (configs with random weights only).
         "test": [
             "pytest",
+            "pytest-xdist",  # -n auto: one test process a core (kernel builds take one each)
             "hypothesis",
             "ruff",
             "nvidia-cuda-cuobjdump",

@@ -13,7 +13,9 @@ import torch
 # One cache for the whole session, set before torch_tvm_gemm is imported: each kernel is
 # compiled once per session however many tests use it, and the directory removed at exit
 # (a full run leaves ~45 MB of kernels). A TVM_GEMM_CACHE_DIR set by the caller is used
-# instead, and kept. Tests of the cache itself use their own directories.
+# instead, and kept. pytest-xdist's workers (-n) inherit the directory from the process that
+# starts them, so they share it and its kernels. Tests of the cache itself use their own
+# directories.
 if "TVM_GEMM_CACHE_DIR" not in os.environ:
     os.environ["TVM_GEMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvm_gemm_test_cache_")
     atexit.register(shutil.rmtree, os.environ["TVM_GEMM_CACHE_DIR"], ignore_errors=True)
