@@ -13,13 +13,14 @@ from conftest import DTYPES, assert_close, randn
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import GemmSpec
 from torch_tvm_gemm.runtime.table import get_kernel
-from torch_tvm_gemm.schedules.cpu import K_CHUNK, k_chunk
+from torch_tvm_gemm.schedules.cpu import k_chunk, k_chunk_max
 from torch_tvm_gemm.target import host_cpu
 
 CPU = host_cpu()
 pytestmark = pytest.mark.skipif(CPU.vector_registers < 32, reason="no K blocking on this CPU")
 # The largest K that still runs as one pass (a 4-vector-wide fp32 panel in half the L2).
 K_ONE_PASS = CPU.l2_bytes // 2 // (4 * CPU.vector_bytes)
+K_CHUNK = k_chunk_max(CPU)  # the longest chunk
 K_EXACT = (K_ONE_PASS // K_CHUNK + 1) * K_CHUNK  # whole chunks of K_CHUNK
 K_ODD = K_ONE_PASS + 1  # no chunk of whole vectors divides it: K padded to whole chunks
 
@@ -38,13 +39,24 @@ def test_chunk_rule_at_the_threshold():
     assert k_chunk(spec(K_EXACT), CPU) == K_CHUNK
     kc = k_chunk(spec(K_ODD), CPU)
     assert kc % 16 == 0 and K_ODD % kc != 0
-    # A K with a smaller whole-vector chunk than K_CHUNK that divides it takes that chunk.
-    k = 208 * math.ceil(K_EXACT / 208)
-    assert k % K_CHUNK != 0 and k_chunk(spec(k), CPU) in (208, 240, 224, 192, 176, 160, 144, 128)
+    # A K with a shorter whole-vector chunk than K_CHUNK that divides it takes that chunk.
+    k = (K_CHUNK - 16) * math.ceil(K_EXACT / (K_CHUNK - 16))
+    assert k % K_CHUNK != 0 and K_CHUNK // 2 <= k_chunk(spec(k), CPU) < K_CHUNK
     assert k % k_chunk(spec(k), CPU) == 0
     # Not for small M variants, symbolic K or batched kernels.
     assert k_chunk(spec(K_EXACT, variant="dot"), CPU) is None
     assert k_chunk(GemmSpec("float32", 70, None, "kn"), CPU) is None
+
+
+def test_chunks_follow_the_l2():
+    # A panel's piece of a chunk takes at most an eighth of the L2: LLaMA-7B's K = 11008 in
+    # 16 chunks of 688 on a 2 MB L2, 43 of 256 on 1 MB.
+    import dataclasses
+
+    two_mb, one_mb = (dataclasses.replace(CPU, l2_bytes=size << 20) for size in (2, 1))
+    assert (k_chunk_max(two_mb), k_chunk_max(one_mb)) == (1024, 512)
+    assert (k_chunk(spec(11008), two_mb), k_chunk(spec(11008), one_mb)) == (688, 256)
+    assert k_chunk(spec(14336, "float64"), two_mb) == 1024
 
 
 @pytest.mark.parametrize("k", [K_ONE_PASS, K_ODD, K_EXACT], ids=["one-pass", "padded", "exact"])

@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 44  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 45  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -372,10 +372,26 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
 
 
 # K blocking of the packed kernel (a static K whose 64-wide panel of B outgrows half the L2):
-# chunks of K_CHUNK values (or a little fewer, to divide K), each chunk's panel packed and
-# used while it is in cache, partial sums added up in memory. Measured: see
-# docs/inference-shapes.md (K = 11008).
-K_CHUNK = 256
+# chunks of K, each chunk's panel packed and used while it is in cache, partial sums added up
+# in memory. A chunk is at most ``k_chunk_max`` values (or a little fewer, to divide K): a
+# panel's piece of it an eighth of the L2, 1024 values on a 2 MB L2, 512 on 1 MB. Chunks of
+# 256 (the rule before) cost the large M: each chunk adds the task's partial sums into its
+# accumulator panel in memory (M x 128 values) and reads M short rows of A. Through the op,
+# linear + relu against F.relu(F.linear), 2 threads, Intel Xeon (KVM model 167, 2 MB L2 a
+# core), two runs each, chunks of 256 -> 688 at N = 4096, K = 11008: M = 64 1.03-1.06 ->
+# 1.04-1.10x, 128 0.98 -> 0.94-1.00x, 256 0.97-0.99 -> 1.01-1.03x, 512 0.93 -> 0.99-1.00x,
+# 1024 0.85-0.89 -> 0.97-0.99x, 2048 0.85 -> 0.93-0.99x (chunks of 1376: 0.96-0.97x at 2048,
+# 0.96-0.98x at 512); 256 -> 704 at N = 2048, K = 5632: M = 128 0.97-1.03 -> 0.97-0.99x, 256
+# 0.97-0.98 -> 1.01-1.02x, 512 0.95-0.97 -> 0.99x, 1024 0.91 -> 0.97-0.99x.
+# docs/inference-shapes.md, section 39.
+K_CHUNK_L2_SHARE = 8
+
+
+def k_chunk_max(cpu: CpuInfo) -> int:
+    """The longest K chunk: a panel's piece of it (4 vectors wide, any dtype) an eighth of
+    the L2, in whole vectors of float32, 128 at least."""
+    per_value = 4 * cpu.vector_bytes
+    return max(128, cpu.l2_bytes // K_CHUNK_L2_SHARE // per_value // 16 * 16)
 
 
 def k_chunk(spec: GemmSpec, cpu: CpuInfo) -> int | None:
@@ -387,7 +403,8 @@ def k_chunk(spec: GemmSpec, cpu: CpuInfo) -> int | None:
     if spec.k * nr * acc_bytes <= cpu.l2_bytes // 2:
         return None
     # The fewest padded values of K over chunks that are whole vectors (ties: the longer).
-    return min(range(K_CHUNK, K_CHUNK // 2 - 1, -16), key=lambda kc: -(-spec.k // kc) * kc)
+    most = k_chunk_max(cpu)
+    return min(range(most, most // 2 - 1, -16), key=lambda kc: -(-spec.k // kc) * kc)
 
 
 def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
