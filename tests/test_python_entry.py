@@ -184,8 +184,10 @@ def test_threads_through_the_entry():
 @pytest.mark.skipif(EXT is None, reason="needs the C++ extension")
 def test_large_products_let_go_of_the_gil():
     """A product past the entry's small-call limit runs without the GIL, as torch.ops does:
-    a thread waiting for the GIL wakes while the call is still running, not at its end (as
-    it would if the call held the GIL)."""
+    a thread waiting for the GIL wakes while the call is still running. Held through the
+    call, the GIL would go to the waiting thread only after the caller had written its end
+    time (the next Python line), so "woke before the end" is the test; a bound on how soon
+    would depend on the load (other test processes share the cores under ``-n``)."""
     import threading
     import time
 
@@ -204,5 +206,4 @@ def test_large_products_let_go_of_the_gil():
     started.wait()
     times["woke"] = time.perf_counter()
     worker.join()
-    call = times["end"] - times["start"]
-    assert times["woke"] - times["start"] < call / 2, (times, call)
+    assert times["woke"] < times["end"], times
