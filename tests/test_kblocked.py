@@ -111,15 +111,21 @@ def test_kn_layout_and_row_bias(bias_axis):
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-def test_asks_for_the_next_chunk_of_the_weight(layout):
+def test_asks_for_the_next_chunk_of_the_weight_on_a_small_l2(layout):
     # cpu_pack_prefetch.prefetch_next_chunk: one prefetch, in the loop over the tiles, taken
-    # while M's tiles of a chunk of A take at most a third of the L2.
+    # while M's tiles of a chunk of A take at most a third of the L2; none past a 1 MB L2.
+    import dataclasses
+
     from torch_tvm_gemm.schedules import cpu as cpu_schedules
 
-    script = cpu_schedules.schedule_gemm(spec(K_EXACT, b_layout=layout), CPU).script()
+    one_mb, two_mb = (dataclasses.replace(CPU, l2_bytes=size << 20) for size in (1, 2))
+    k = 4 * 2048  # (chunked on both: K past half of either L2 in a 64-wide panel)
+    script = cpu_schedules.schedule_gemm(spec(k, b_layout=layout), one_mb).script()
     assert script.count("llvm.prefetch") == 1
-    max_tiles = CPU.l2_bytes // 3 // (6 * K_CHUNK * 4)
+    max_tiles = one_mb.l2_bytes // 3 // (6 * k_chunk(spec(k), one_mb) * 4)
     assert f"(M + T.int64(5)) // T.int64(6) <= T.int64({max_tiles})" in script
+    script = cpu_schedules.schedule_gemm(spec(k, b_layout=layout), two_mb).script()
+    assert "llvm.prefetch" not in script
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

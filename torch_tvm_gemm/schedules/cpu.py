@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 45  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 46  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -386,6 +386,19 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
 # docs/inference-shapes.md, section 39.
 K_CHUNK_L2_SHARE = 8
 
+# The K-blocked kernel asks for the weight's next chunk while the tiles of this one run
+# (``cpu_pack_prefetch.prefetch_next_chunk``) only on CPUs with an L2 of at most this size: it
+# was measured to gain on an AMD EPYC (Zen 5, 1 MB L2) and to lose on an Intel Xeon with 2 MB
+# (KVM model 167). There, kernels alone, linear + relu against torch, 2 threads, medians of 9
+# alternating rounds, N = 4096, K = 11008 (chunks of 688), with -> without the prefetch: M =
+# 17 1.16 -> 1.42x, 32 1.17 -> 1.46x, 64 1.11 -> 1.32x, 96 1.05 -> 1.16x, 126 1.01 -> 1.10x,
+# 128 1.01 -> 1.11-1.14x, 192 1.06 -> 1.03-1.12x, 248 0.99 -> 1.04x; with four such weights
+# cycled (720 MB, past the L3) M = 32 1.08 -> 1.41x, 128 1.11 -> 1.24x; with chunks of 256
+# (the earlier rule) M = 32 1.08 -> 1.29x, 128 1.20 -> 1.25x; N = 2048, K = 5632: M = 32 0.97
+# -> 1.15x, 96 0.98 -> 1.06x, 128 0.95 -> 1.04x, 192 0.99 -> 1.03x. (From 42 tiles of A on,
+# M >= 253 here, the prefetch was off already.)
+NEXT_CHUNK_PREFETCH_MAX_L2 = 1 << 20
+
 
 def k_chunk_max(cpu: CpuInfo) -> int:
     """The longest K chunk: a panel's piece of it (4 vectors wide, any dtype) an eighth of
@@ -424,10 +437,12 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
         loops = _schedule_packed_kblocked(sch, spec, mr, nr, vec)
         loops = [sch.get(loop).loop_var for loop in loops]
         chunks, width = -(-spec.k // kc), _panels_per_task(spec, nr) * nr
-        # while a chunk of A (tiles x MR x kc values) takes at most a third of the L2
-        max_tiles = cpu.l2_bytes // 3 // (mr * kc * (8 if spec.acc_dtype == "float64" else 4))
-        mod = cpu_pack_prefetch.prefetch_next_chunk(sch.mod, loops, chunks, width, kc,
-                                                    spec.b_layout == "nk", max_tiles)  # fmt: skip
+        mod = sch.mod
+        if cpu.l2_bytes <= NEXT_CHUNK_PREFETCH_MAX_L2:
+            # while a chunk of A (tiles x MR x kc values) takes at most a third of the L2
+            max_tiles = cpu.l2_bytes // 3 // (mr * kc * (8 if spec.acc_dtype == "float64" else 4))
+            mod = cpu_pack_prefetch.prefetch_next_chunk(mod, loops, chunks, width, kc,
+                                                        spec.b_layout == "nk", max_tiles)  # fmt: skip
         return cpu_tail_tile.cut_last_tiles(mod, mr, ("partial_init", "partial_update"))
     elif spec.batched:
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))

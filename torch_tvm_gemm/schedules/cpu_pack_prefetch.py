@@ -35,7 +35,9 @@ process called in turn, without -> with: 4096 x 11008 M = 128 +6.7%, 768 x 3072 
 +5.9%, 4096 x 4096 M = 128 +0.2%, M = 256 +0.8% to +1%. Built for every M, separate runs
 read M = 512 -1% and -6%, M = 768 0% and -4%, M = 1024 -2% to -4% (4096 x 11008): there the
 chunk of A (M KB) fills the L2 and the prefetched lines push it out. So the prefetch runs
-only while that chunk takes at most a third of the L2 (docs/inference-shapes.md section 21).
+only while that chunk takes at most a third of the L2 (docs/inference-shapes.md section 21),
+and only on CPUs with an L2 of at most 1 MB: on an Intel Xeon with 2 MB it cost 5-30% at
+every M it ran at (``cpu.NEXT_CHUNK_PREFETCH_MAX_L2``).
 
 TensorIR's schedule primitives cannot place a prefetch, so it is added to the scheduled
 module: the pack's loop over tiles along K ("nk") or over rows ("kn") gets the prefetches
