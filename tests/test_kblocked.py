@@ -67,16 +67,25 @@ def test_linear_around_the_threshold(k, m, act):
     assert_close(tg.linear(x, w, b, act), reference(x, w, b, act), k)
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype(dtype):
+def test_every_dtype(dtype, layout):
     x, w, b = randn(40, K_ODD, dtype=dtype), randn(130, K_ODD, dtype=dtype), randn(130, dtype=dtype)
-    assert_close(tg.linear(x, w, b, "relu"), reference(x, w, b, "relu"), K_ODD)
+    weight = w if layout == "nk" else w.t().contiguous().t()
+    assert_close(tg.linear(x, weight, b, "relu"), reference(x, w, b, "relu"), K_ODD)
 
 
-def test_several_panels_per_task_and_large_m():
-    # N = 1024: 16 panels of 64, two per parallel task; M = 513 off the 6-row tile.
-    x, w = randn(513, K_EXACT), randn(1024, K_EXACT)
-    assert_close(tg.linear(x, w, None), reference(x, w, None, "none"), K_EXACT)
+@pytest.mark.parametrize("n", [1024, 1000], ids=["whole-panels", "last-panel-padded"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_several_panels_per_task_and_large_m(n, layout):
+    # 16 panels of 64, two per parallel task (a "kn" chunk's rows copied in vectors across
+    # both); M = 513 off the 6-row tile.
+    from torch_tvm_gemm.schedules.cpu import _panels_per_task
+
+    assert _panels_per_task(GemmSpec("float32", n, K_EXACT, layout), 64) == 2
+    x, w = randn(513, K_EXACT), randn(n, K_EXACT)
+    weight = w if layout == "nk" else w.t().contiguous().t()  # ("kn": a (K, N) weight's view)
+    assert_close(tg.linear(x, weight, None), reference(x, w, None, "none"), K_EXACT)
 
 
 def test_relu_keeps_nan_and_applies_once():

@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 46  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 47  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -779,6 +779,14 @@ def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -
         # with the chunk's rows all in flight). LLVM's transpose: ``cpu_transpose`` measured
         # +5-6% at M = 128 but -4 to -6% at M = 512 here (N = 4096, K = 11008).
         _transpose_in_tiles(sch, b_pad, vec)
+    else:
+        # A "kn" chunk: each row's run of the task's columns copied in vectors, NR values to
+        # each panel. (As one loop over the columns, the panel index j // NR kept LLVM to a
+        # copy value by value: the pack of 1280 x 5120 ran at a quarter of the "nk" one's rate.)
+        _, columns = sch.get_loops(b_pad)[-2:]
+        _, vectors, lanes = sch.split(columns, [None, nr // vec, vec])
+        sch.unroll(vectors)
+        sch.vectorize(lanes)
     sch.unroll(ii)
     sch.unroll(jio)
     sch.vectorize(jii)
