@@ -173,6 +173,10 @@ def test_packed_kernel_pack_prefetches(isa):
     for layout, k in (("nk", 80), ("kn", 70)):
         mod = cpu_schedules.schedule_gemm(gemm_spec("float32", 300, 100, k, layout), cpu)
         assert mod.script().count("llvm.prefetch") == 1
+        if layout == "kn":  # the copy's block sits in a vectorized loop
+            lines = mod.script().splitlines()
+            copy = next(i for i, line in enumerate(lines) if 'T.sblock("B_pad")' in line)
+            assert "T.vectorized" in lines[copy - 1]
         if isa == "avx2":
             tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}))
     # A "nk" K off whole tiles packs its last values apart from the whole tiles (no prefetch)

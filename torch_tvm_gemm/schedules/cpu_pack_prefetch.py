@@ -21,10 +21,14 @@ B*H = 96, S = 128, D = 64, against torch.bmm, with -> without, four runs on 2 th
 on one: +0.3% to +10% (BH = 12: +0 to +1%).
 
 A "kn" B (transformers' Conv1D weight, x @ W) is packed by a copy of NR values from each of
-its K rows, rows N values apart: each row now first asks for the row AHEAD_ROWS further. Same
+its K rows (in vectors), rows N values apart: each row now first asks for the row AHEAD_ROWS
+further. Same
 measurement (GPT-2's 2304 x 768, 768 x 768, 3072 x 768, 768 x 3072; against torch.addmm):
 M = 128 -0.4% to +3.9%, M = 256 -0.6% to +5.5%, M = 1024 -1.4% to +3%; the pack alone (M = 6,
-one thread) +6% to +13%. 16 rows ahead: about the same.
+one thread) +6% to +13%. 16 rows ahead: about the same. (On a Xeon of KVM model 167, with the
+copy in vectors, without the prefetch read 7-11% faster kernels alone on a ring of 8 weights
+at M = 128, but through the op GPT-2's shapes lost up to 14% at M = 32 and the GPT-2 model
+lost 2-3% at batch 1: kept.)
 
 The K-blocked kernel (K past half the L2 in a 64-wide panel: K > 2048 on a 1 MB L2) packs a
 chunk of 256 values of K of its task's panels at a time, then runs every tile of A over it.
@@ -60,7 +64,7 @@ def with_pack_prefetch(sch, spec, pack_loops, nr: int, vec: int):
     loops = [None if loop is None else sch.get(loop).loop_var for loop in pack_loops]
     if spec.b_layout == "nk":
         return prefetch_pack_reads(sch.mod, *loops, vec)
-    return prefetch_copy_reads(sch.mod, *loops, nr)
+    return prefetch_copy_reads(sch.mod, *loops, nr, vec)
 
 
 def prefetch_pack_reads(mod, k_tiles, rows_in_tile, vec: int):
@@ -84,10 +88,10 @@ def prefetch_pack_reads(mod, k_tiles, rows_in_tile, vec: int):
     return _first_in(mod, k_tiles, loop)
 
 
-def prefetch_copy_reads(mod, k_rows, columns, nr: int):
-    """The same for the pack of a "kn" weight, a copy of each row's NR columns (``columns``:
-    that loop's variable): each row first asks for the row AHEAD_ROWS further (its NR
-    values: NR / 16 cache lines)."""
+def prefetch_copy_reads(mod, k_rows, vectors, lanes, nr: int, vec: int):
+    """The same for the pack of a "kn" weight, a copy of each row's NR columns in vectors
+    (``vectors``, ``lanes``: those loops' variables): each row first asks for the row
+    AHEAD_ROWS further (its NR values: NR / 16 cache lines)."""
     from tvm import tirx
 
     b = mod["main"].params[1]  # (K, N)
@@ -95,10 +99,12 @@ def prefetch_copy_reads(mod, k_rows, columns, nr: int):
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     row, column = block_bindings(mod["main"].body, "B_pad")
     index = [tirx.min(row + i64(AHEAD_ROWS), k - i64(1)), tirx.min(column, n - i64(1))]
-    # One prefetch a cache line: the unrolled loop keeps the columns at whole lines.
-    wanted = tirx.EQ(tirx.floormod(columns, i64(LINE)), i64(0))
-    body = tirx.IfThenElse(wanted, _prefetch(b, index), None)
-    loop = tirx.For(columns, i64(0), i64(nr), tirx.ForKind.UNROLLED, body)
+    # One prefetch a cache line (the unrolled loop keeps the vectors at whole lines), at a
+    # vector's first value.
+    wanted = tirx.EQ(tirx.floormod(vectors * i64(vec), i64(LINE)), i64(0))
+    ask = tirx.IfThenElse(wanted, _prefetch(b, index), None)
+    body = tirx.SeqStmt([tirx.LetStmt(lanes, i64(0)), ask])  # (TVM 0.27: a bind, no body)
+    loop = tirx.For(vectors, i64(0), i64(nr // vec), tirx.ForKind.UNROLLED, body)
     return _first_in(mod, k_rows, loop)
 
 
