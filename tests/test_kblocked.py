@@ -82,7 +82,7 @@ def test_several_panels_per_task_and_large_m(n, layout):
     # both); M = 513 off the 6-row tile.
     from torch_tvm_gemm.schedules.cpu import _panels_per_task
 
-    assert _panels_per_task(GemmSpec("float32", n, K_EXACT, layout), 64) == 2
+    assert _panels_per_task(GemmSpec("float32", n, K_EXACT, layout), 64, CPU) >= 2
     x, w = randn(513, K_EXACT), randn(n, K_EXACT)
     weight = w if layout == "nk" else w.t().contiguous().t()  # ("kn": a (K, N) weight's view)
     assert_close(tg.linear(x, weight, None), reference(x, w, None, "none"), K_EXACT)
@@ -153,3 +153,41 @@ def test_last_tile_runs_the_rows_left(layout):
         out = torch.full((m, 70), float("nan"))
         kernel(x, w if layout == "nk" else w.t().contiguous(), b, out)
         assert_close(out, reference(x, w, b, "relu"), K_ODD)
+
+
+def test_kn_rule_takes_wide_tasks_the_cores_share_evenly():
+    # A float32 Linear weight stored (K, N): chunks of KN_CHUNK, tasks of up to 6 panels,
+    # their count a multiple of the cores; whole panels only, not for a vocabulary's N.
+    import dataclasses
+
+    from torch_tvm_gemm.schedules.cpu import KN_CHUNK, kn_panels_per_task
+
+    two, four = (dataclasses.replace(CPU, l2_bytes=2 << 20, cores=c) for c in (2, 4))
+
+    def width(n, k, cpu=two, layout="kn", dtype="float32", **kw):
+        return kn_panels_per_task(GemmSpec(dtype, n, k, layout, **kw), cpu)
+
+    assert (width(768, 3072), width(768, 3072, four), width(1280, 5120)) == (6, 3, 5)
+    assert width(1024, 4096) == 4 and width(1024, 4096, dataclasses.replace(two, cores=16)) is None
+    assert width(1000, 768) is None and width(50304, 768) is None  # part panel; thousands
+    assert width(768, 256) is None and width(768, None) is None  # K short or symbolic
+    assert width(768, 3072, layout="nk") is None and width(768, 3072, dtype="float64") is None
+    assert width(768, 3072, bias=True, bias_axis="m") is None  # a 1x1 conv's GEMM
+    assert k_chunk(GemmSpec("float32", 768, 3072, "kn"), two) == KN_CHUNK
+    assert k_chunk(GemmSpec("float32", 768, 1000, "kn"), two) in range(KN_CHUNK // 2, KN_CHUNK + 1)
+
+
+@pytest.mark.parametrize("k", [768, 1000], ids=["whole-chunks", "padded"])
+@pytest.mark.parametrize("m", [1, 7, 33, 127, 513])
+def test_kn_linear_in_wide_tasks(k, m):
+    # GPT-2's Conv1D layout: the packed kernel called directly at every M (the op picks
+    # other kernels for the smallest), N = 768: 12 panels, tasks of several.
+    from torch_tvm_gemm.schedules.cpu import kn_panels_per_task
+
+    s = GemmSpec("float32", 768, k, "kn", bias=True, activation="gelu")
+    assert (k_chunk(s, CPU) is not None) == (kn_panels_per_task(s, CPU) is not None)
+    x, w, b = randn(m, k), randn(768, k), randn(768)
+    out = torch.full((m, 768), float("nan"))
+    get_kernel(s)(x, w.t().contiguous(), b, out)
+    assert_close(out, reference(x, w, b, "gelu"), k)
+    assert_close(tg.linear(x, w.t().contiguous().t(), b, "gelu"), reference(x, w, b, "gelu"), k)

@@ -20,6 +20,7 @@ class CpuInfo:
     model: str  # "model name" from /proc/cpuinfo, or "" where there is none
     features: frozenset[str]
     l2_bytes: int = 1 << 20  # one core's L2 cache (sysfs), for the GEMM's panel width
+    cores: int = 1  # the cores this process may run on (torch's default thread count)
 
     @property
     def vector_bytes(self) -> int:
@@ -64,7 +65,8 @@ def host_cpu() -> CpuInfo:
                     flags = set(value.split())
     except OSError:  # not Linux: fall back to the architecture alone
         pass
-    return CpuInfo(platform.machine(), model, frozenset(flags), _l2_bytes())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return CpuInfo(platform.machine(), model, frozenset(flags), _l2_bytes(), cores or 1)
 
 
 # Linux x86-64: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). A process must ask

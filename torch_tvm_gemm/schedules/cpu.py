@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 48  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 49  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -407,16 +407,66 @@ def k_chunk_max(cpu: CpuInfo) -> int:
     return max(128, cpu.l2_bytes // K_CHUNK_L2_SHARE // per_value // 16 * 16)
 
 
+# A float32 Linear weight stored (K, N) (transformers' Conv1D) runs the K-blocked kernel at
+# any K from KN_MIN_K: chunks of KN_CHUNK values of K, each task KN_MAX_PANELS_PER_TASK panels
+# wide or fewer (``kn_panels_per_task``). Its copy of a chunk then reads runs of up to 384
+# values from each row of the weight, where the one-pass kernel's copy of one panel reads 64
+# from each of K rows N values apart. Kernels alone, linear + relu against torch.addmm on the
+# same (K, N) weight, 2 threads, Intel Xeon (KVM model 167), medians of 7 alternating rounds,
+# one pass -> chunks of 256: N x K = 768 x 3072 (GPT-2's MLP output) M = 8 / 16 / 32 / 128 /
+# 256 / 384 0.77 / 1.02 / 0.72-0.73 / 0.88 / 0.96 / 0.98x -> 1.07 / 1.24 / 0.89-0.90 /
+# 0.99-1.00 / 1.00 / 1.00x, 3072 x 768 M = 32 / 128 0.84 / 0.94x -> 0.98 / 1.00x, 768 x 768
+# M = 32 / 128 / 256 0.95 / 0.98 / 1.01x -> 1.01 / 1.00 / 1.02x, 2304 x 768 the same either
+# way; 1280 x 5120 (GPT-2 large, chunks of 1024 before) M = 32 / 128 / 1024 0.78 / 0.93 /
+# 0.99x -> 0.91 / 1.00 / 1.00x. Tasks narrower than 6 panels read shorter runs and gained
+# less (768 x 3072, M = 32 / 128: 3 panels 0.80 / 0.92x, 2 0.77 / 0.90x, 1 0.75 / 0.86x), and
+# tasks that the threads do not share evenly lost (1280 x 5120 with 4 panels, 5 tasks:
+# 0.75 / 0.79x). Nor for an N off whole panels (1000 x 768, M = 32 / 128 / 256: 0.82 / 0.93 /
+# 0.98x -> 0.72 / 0.81 / 0.85x) or with thousands of them, where the one-pass kernel copies A
+# into tiles (``packs_a``; 50257 x 768: 0.51 / 0.76 / 1.21x -> 0.32 / 0.52 / 0.97x). The "nk"
+# weights gained nothing from it (768 x 3072: 1.57 / 1.06x -> 1.51 / 1.02x). The 1x1 convs'
+# GEMMs with a per-row bias are not measured with it and keep the one-pass kernel.
+KN_CHUNK, KN_MIN_K, KN_MAX_PANELS_PER_TASK = 256, 512, 6
+
+
+def kn_panels_per_task(spec: GemmSpec, cpu: CpuInfo) -> int | None:
+    """The panels of each task of the K-blocked kernel for a float32 "kn" Linear weight (see
+    KN_CHUNK): the most, up to KN_MAX_PANELS_PER_TASK, whose tasks the cores share evenly;
+    None where that rule does not apply (then the one-pass or L2-chunked kernel runs)."""
+    if (
+        spec.b_layout != "kn"
+        or spec.dtype != "float32"
+        or spec.variant != "gemm"
+        or spec.batched
+        or spec.k is None
+        or spec.k < KN_MIN_K
+        or (spec.bias and spec.bias_axis != "n")
+        or cpu.vector_registers < 32
+    ):
+        return None
+    nr = 4 * (cpu.vector_bytes // 4)  # the float32 tile's panel
+    if spec.n % nr or spec.n > ROWS_MAX_N:  # (whole panels, and not a vocabulary's thousands)
+        return None
+    panels = spec.n // nr
+    for width in range(KN_MAX_PANELS_PER_TASK, 1, -1):
+        if panels % width == 0 and (panels // width) % cpu.cores == 0:
+            return width
+    return None
+
+
 def k_chunk(spec: GemmSpec, cpu: CpuInfo) -> int | None:
     """The K chunk of the packed kernel for ``spec``, or None for one pass over all of K."""
     if spec.batched or spec.variant != "gemm" or spec.k is None or cpu.vector_registers < 32:
         return None
-    acc_bytes = 8 if spec.acc_dtype == "float64" else 4
-    nr = 4 * (cpu.vector_bytes // acc_bytes)
-    if spec.k * nr * acc_bytes <= cpu.l2_bytes // 2:
-        return None
+    if kn_panels_per_task(spec, cpu):
+        most = KN_CHUNK
+    else:
+        acc_bytes = 8 if spec.acc_dtype == "float64" else 4
+        nr = 4 * (cpu.vector_bytes // acc_bytes)
+        if spec.k * nr * acc_bytes <= cpu.l2_bytes // 2:
+            return None
+        most = k_chunk_max(cpu)
     # The fewest padded values of K over chunks that are whole vectors (ties: the longer).
-    most = k_chunk_max(cpu)
     return min(range(most, most // 2 - 1, -16), key=lambda kc: -(-spec.k // kc) * kc)
 
 
@@ -434,9 +484,9 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     if kc is not None:
         mr, nr = 6, 4 * vec  # the panel is short now: the widest tile
         sch = s_tir.Schedule(kblocked_gemm_compute(spec, mr, nr, kc))
-        loops = _schedule_packed_kblocked(sch, spec, mr, nr, vec)
+        loops = _schedule_packed_kblocked(sch, spec, mr, nr, vec, cpu)
         loops = [sch.get(loop).loop_var for loop in loops]
-        chunks, width = -(-spec.k // kc), _panels_per_task(spec, nr) * nr
+        chunks, width = -(-spec.k // kc), _panels_per_task(spec, nr, cpu) * nr
         mod = sch.mod
         if cpu.l2_bytes <= NEXT_CHUNK_PREFETCH_MAX_L2:
             # while a chunk of A (tiles x MR x kc values) takes at most a third of the L2
@@ -756,7 +806,7 @@ def _schedule_swapped(sch, panel: int, rows: int, tiles: int, vec: int) -> None:
     sch.decompose_reduction(acc, k)
 
 
-def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -> None:
+def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int, cpu: CpuInfo):
     """The packed schedule over K chunks: per parallel task (a few N panels), for each chunk
     its piece of the B panels is packed, then every MR x NR tile of that chunk is summed in
     registers and added into the task's accumulator panel; "out" (bias, activation, cast)
@@ -765,7 +815,7 @@ def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -
     b_pad = _pad_operands(sch, spec, nr)
     i, j, c = sch.get_loops(acc)
     io, ii = sch.split(i, [None, mr])
-    jo, jw, ji = sch.split(j, [None, _panels_per_task(spec, nr), nr])
+    jo, jw, ji = sch.split(j, [None, _panels_per_task(spec, nr, cpu), nr])
     jio, jii = sch.split(ji, [None, vec])
     # A tile of A (MR x chunk) is read from L1 by every panel of the task.
     sch.reorder(jo, c, io, jw, ii, jio, jii)
@@ -803,9 +853,13 @@ def _schedule_packed_kblocked(sch, spec: GemmSpec, mr: int, nr: int, vec: int) -
     return jo, c, io
 
 
-def _panels_per_task(spec: GemmSpec, nr: int) -> int:
-    """N panels per parallel task of the K-blocked kernel: the most (up to PANELS_PER_TASK)
-    that still leave 8 tasks or more, so that two threads get even shares."""
+def _panels_per_task(spec: GemmSpec, nr: int, cpu: CpuInfo) -> int:
+    """N panels per parallel task of the K-blocked kernel: ``kn_panels_per_task``'s for a
+    "kn" Linear weight, else the most (up to PANELS_PER_TASK) that still leave 8 tasks or
+    more, so that two threads get even shares."""
+    kn_width = kn_panels_per_task(spec, cpu)
+    if kn_width:
+        return kn_width
     panels = -(-spec.n // nr)
     for w in range(PANELS_PER_TASK, 1, -1):
         if panels % w == 0 and panels // w >= 8:
