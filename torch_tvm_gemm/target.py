@@ -20,7 +20,9 @@ class CpuInfo:
     model: str  # "model name" from /proc/cpuinfo, or "" where there is none
     features: frozenset[str]
     l2_bytes: int = 1 << 20  # one core's L2 cache (sysfs), for the GEMM's panel width
-    cores: int = 1  # the cores this process may run on (torch's default thread count)
+    # The cores this process may run on (torch's default thread count). Like l2_bytes, not in
+    # the cache key: a kernel scheduled for another count is still right, only less balanced.
+    cores: int = 1
 
     @property
     def vector_bytes(self) -> int:
