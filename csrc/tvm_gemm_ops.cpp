@@ -306,8 +306,9 @@ struct KernelKeyHash {
     };
     mix(static_cast<uint64_t>(key.n));
     mix(static_cast<uint64_t>(key.k));
-    mix((key.b_nk ? 1u : 0u) | (key.bias ? 2u : 0u) | (static_cast<uint64_t>(key.variant) << 2) | (key.batched ? 16u : 0u) |
-        (static_cast<uint64_t>(key.activation) << 5));
+    // (the variant index takes bits 2-5: batched and the activation above it)
+    mix((key.b_nk ? 1u : 0u) | (key.bias ? 2u : 0u) | (static_cast<uint64_t>(key.variant) << 2) |
+        (key.batched ? 64u : 0u) | (static_cast<uint64_t>(key.activation) << 7));
     mix((static_cast<uint64_t>(key.device_type) << 16) |
         static_cast<uint64_t>(static_cast<uint16_t>(key.device_index)));
     return h;
