@@ -310,7 +310,7 @@ def test_bn_fold_kept_in_the_layout_the_conv_reads(dtype):
 
     with torch.no_grad():
         assert_close(fused(x), expected(), k=16 * 9)
-        folded = fused._folded[0]
+        folded = fused._kept.value[0]
         assert folded.is_contiguous(memory_format=torch.channels_last) == nhwc
         assert folded.is_contiguous() != nhwc
         conv.weight.mul_(-1.0)
@@ -339,6 +339,55 @@ def test_fp32_fold_channels_last_where_few_pixels_and_refolded_for_another_size(
         for size, channels_last in ((7, True), (28, False), (7, True)):
             x = randn(2, 16, size, size)
             assert_close(fused(x), F.relu(F.conv2d(x, w, b, padding=1)), k=16 * 9)
-            folded = fused._folded[0]
+            folded = fused._kept.value[0]
             assert folded.is_contiguous(memory_format=torch.channels_last) == channels_last
             assert folded.is_contiguous() != channels_last
+
+
+def test_conv_module_keeps_its_weight_channels_last_and_follows_writes(monkeypatch):
+    """A fused conv without BN (VGG's conv + ReLU) on a channels_last input: the op reads a
+    channels_last weight in place, so the module keeps a channels_last copy of its own
+    weight, made once and again after each kind of write (counted by torch, through
+    ``.data``, through a numpy view made after the copy; one made before needs
+    ``refold()``), never writing the weight itself; a contiguous input takes the weight as it
+    is, and with gradients wanted the weight itself reaches the op."""
+    import torch_tvm_gemm.conv_module as conv_module
+
+    relayouts, real = [], conv_module.weight_layout
+    monkeypatch.setattr(conv_module, "weight_layout", lambda *a: relayouts.append(1) or real(*a))
+    conv = nn.Conv2d(16, 32, 3, padding=1)
+    fused = TVMConv2dBiasReLU.from_conv(conv)
+    x = randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last)
+    assert real(x, conv.weight, [1, 1], [1, 1], [1, 1], 1) == torch.channels_last
+    address = conv.weight.data_ptr()
+
+    def expected(x=x):
+        return F.relu(conv(x))
+
+    with torch.no_grad():
+        for _ in range(3):  # copied once, kept
+            assert_close(fused(x), expected(), k=16 * 9)
+        assert len(relayouts) == 1
+        kept = fused._kept.value[0]
+        assert kept.is_contiguous(memory_format=torch.channels_last)
+        assert kept.data_ptr() != conv.weight.data_ptr()
+        conv.weight.mul_(-1.0)  # counted by torch
+        assert_close(fused(x), expected(), k=16 * 9)
+        conv.weight.data.mul_(0.5)  # through .data: not counted
+        assert_close(fused(x), expected(), k=16 * 9)
+        conv.weight.detach().numpy()[0] *= 3.0  # a numpy view made after the copy
+        assert_close(fused(x), expected(), k=16 * 9)
+        assert len(relayouts) == 4
+        assert conv.weight.data_ptr() == address  # written in place, never copied
+        view = conv.weight.detach().numpy()
+        fused(x)  # (making the view took the weight for writing: copied again, then kept)
+        view += 1.0  # a view from before that copy: not seen
+        fused.refold()
+        assert_close(fused(x), expected(), k=16 * 9)
+        plain = x.contiguous()  # the conv kernel reads the contiguous weight itself
+        assert_close(fused(plain), expected(plain), k=16 * 9)
+        assert fused._kept.value[0] is conv.weight
+    y = fused(x)  # with gradients: the weight itself, which the gradient reaches
+    (grad,) = torch.autograd.grad(y.sum(), conv.weight)
+    (want,) = torch.autograd.grad(expected().sum(), conv.weight)
+    assert_close(grad, want, k=2 * 81)

@@ -12,7 +12,7 @@ on an AMD EPYC; for the fp32 convs with few output pixels, a GEMM over channels-
 for the fp32 convs of a channels_last input; an input of another image size or memory
 format folds again). A write that torch does not count in the version (through
 ``tensor.data``, or a numpy view made after the fold) is seen too: keeping a fold marks the
-six tensors' storage copy-on-write (``_arm``), and the first write through any alias clears
+six tensors' storage copy-on-write (``kept_weights.py``), and the first write through any alias clears
 the mark, which the next call checks. Nothing is copied: no one else shares the buffer, so
 the writer keeps it. A numpy view made before the fold writes unseen: call ``refold()``
 after writing through one. (Folding at every call instead would cost a pass over the weight
@@ -26,12 +26,11 @@ as plain torch ops.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import Tensor, nn
 
 from .fusion import CONV_OP, conv_padding, is_frozen_bn
+from .kept_weights import KeptWeights
 from .kernels.conv2d import torch_activation
 from .ops.conv_ops import weight_layout
 
@@ -68,43 +67,6 @@ def _fold_when_traced(conv: nn.Conv2d, padding: list[int], x: Tensor) -> bool:
     return conv.weight.numel() <= n * out_pixels * conv.out_channels
 
 
-def _key(tensors: list[Tensor], image: tuple) -> tuple | None:
-    """What a kept fold of ``tensors`` for inputs of ``image`` was made from: each tensor's
-    version and, while its storage is marked copy-on-write (``_arm``), that mark, else its
-    address (a tensor given another buffer, ``.data = ...``); None for inference tensors,
-    which have no version (folded at every call). The address is read only where the mark is
-    gone: reading it takes the buffer for writing, which clears the mark."""
-    try:
-        # (a new dtype or device means new tensors: the weight's stand for the six)
-        marks = [(t._version, "marked" if _marked(t) else t.data_ptr()) for t in tensors]
-    except RuntimeError:
-        return None
-    return (marks, tensors[0].dtype, tensors[0].device, image)
-
-
-# Whether a tensor's storage still carries the copy-on-write mark of ``_arm`` (never, in a
-# torch without copy-on-write storage: the fold's key then holds addresses, as it did).
-_marked = getattr(torch._C, "_is_cow_tensor", lambda t: False)
-
-
-def _arm(tensors: list[Tensor]) -> None:
-    """Marks the storage of ``tensors`` copy-on-write, by making a lazy clone of each and
-    dropping it. The first write through any alias then clears the mark (``_marked``): a
-    write through torch (``.data`` included) and anything that takes a writable pointer
-    (``.numpy()``, ``data_ptr()``). The clone is gone, so the writer keeps its buffer: nothing
-    is copied, then or ever. A tensor whose storage cannot be marked (``torch.from_numpy``'s:
-    torch does not own the buffer), or on another device than the CPU (not measured there),
-    keeps its address in the key instead."""
-    lazy_clone = getattr(torch, "_lazy_clone", None)
-    for t in tensors:
-        if lazy_clone is None or t.device.type != "cpu":
-            continue
-        try:
-            lazy_clone(t.detach())
-        except RuntimeError:
-            continue
-
-
 class TVMConv2dBN(nn.Module):
     """``act(bn(conv(x)))`` for an eval-mode ``bn``, one ``tvm_gemm.conv2d_bias_relu`` call.
 
@@ -128,9 +90,7 @@ class TVMConv2dBN(nn.Module):
         self.activation = activation
         self.padding = list(padding)
         self.frozen = is_frozen_bn(bn)  # (eval-mode BN in training mode too: always folded)
-        self._key: tuple | None = None
-        self._folded: tuple[Tensor, Tensor] | None = None
-        self._seen: list[Tensor] | None = None
+        self._kept = KeptWeights()  # the fold, while the six tensors stay as they were
 
     @property
     def relu(self) -> bool:
@@ -166,30 +126,20 @@ class TVMConv2dBN(nn.Module):
         # (and x's image: its size and memory format pick the route, hence the layout, e.g.
         # at 7x7 pixels, or channels_last)
         image = (x.shape[1:], x.dtype, x.is_contiguous())
-        key = _key(tensors, image) if plain else None  # (a computed tensor: fold every time)
-        # (and the tensors themselves: held here, a replaced one's address cannot come back
-        # as another tensor's, of the same version, while the fold made from it is kept)
-        seen = self._seen
-        same = (
-            seen is not None and len(seen) == len(tensors) and all(map(operator.is_, tensors, seen))
-        )
-        if key is None or key != self._key or not same:
-            with torch.no_grad():
-                weight, bias = fold_conv_bn(conv, bn)
+
+        def fold() -> tuple[Tensor, Tensor]:
+            weight, bias = fold_conv_bn(conv, bn)
             # kept in the layout the op reads in place (the bf16 NHWC convs: channels_last)
             layout = weight_layout(x, weight, conv.stride, self.padding, conv.dilation,
                                    conv.groups)  # fmt: skip
-            self._folded = (weight.contiguous(memory_format=layout), bias.contiguous())
-            if key is not None:
-                _arm(tensors)
-                key = _key(tensors, image)
-            self._key, self._seen = key, tensors
-        return self._folded
+            return weight.contiguous(memory_format=layout), bias.contiguous()
+
+        return self._kept.get(tensors, plain, image, fold)
 
     def refold(self) -> None:
         """Fold again at the next call (after a write through a numpy view made before the
         fold, which no check sees)."""
-        self._key = self._folded = self._seen = None
+        self._kept.forget()
 
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources

@@ -1,0 +1,102 @@
+"""Tensors a conv module derives from its weights and keeps between calls, made again when one
+of the weights changes.
+
+Two modules keep one: ``TVMConv2dBN`` (``fold.py``) its BN fold, and ``TVMConv2dBiasReLU``
+(``conv_module.py``) a copy of its weight in the memory format the op reads in place
+(``conv_ops.weight_layout``). Each call compares a key of the source tensors with the one the
+kept tensors were made from:
+
+- the version torch counts for every in-place write (``load_state_dict``, an optimizer step,
+  ``copy_``, ``.to()``);
+- a write the version misses (through ``tensor.data``, or a numpy view made after the
+  derivation) by a copy-on-write mark on the sources' storage (``_arm``): the first write
+  through any alias, or anything that takes a writable pointer, clears it. Nothing is copied:
+  no one else shares the buffer, so the writer keeps it;
+- a source replaced by another tensor, by the tensors themselves (held here, so that a
+  replaced one's address cannot come back as another's of the same version).
+
+A numpy view made before the derivation writes unseen: ``forget()`` (the modules' ``refold()``)
+after writing through one.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class KeptWeights:
+    """The tensors ``derive()`` made from ``sources`` for inputs of one ``image``, kept while
+    neither changes."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._seen: list[Tensor] | None = None
+        self.value: tuple | None = None
+
+    def get(
+        self, sources: list[Tensor], plain: bool, image: tuple, derive: Callable[[], tuple]
+    ) -> tuple:
+        """The kept tensors, made again by ``derive()`` where ``sources`` or ``image`` changed.
+        ``plain``: the sources are a module's own parameters and buffers (else one is computed
+        at each read, e.g. a parametrization's weight: derived at every call)."""
+        key = _key(sources, image) if plain else None
+        seen = self._seen
+        same = (
+            seen is not None and len(seen) == len(sources) and all(map(operator.is_, sources, seen))
+        )
+        if key is None or key != self._key or not same:
+            with torch.no_grad():
+                value = derive()
+            # A source handed on as it is needs no mark: the op reads it (taking its buffer
+            # for writing, which would clear the mark at every call), always current.
+            if key is not None and not any(v is s for v in value for s in sources):
+                _arm(sources)
+                key = _key(sources, image)
+            self.value = value  # (before the key: a thread that sees the key sees it)
+            self._key, self._seen = key, sources
+        return self.value
+
+    def forget(self) -> None:
+        """Derive again at the next call."""
+        self._key = self._seen = self.value = None
+
+
+def _key(tensors: list[Tensor], image: tuple) -> tuple | None:
+    """What tensors kept from ``tensors`` for inputs of ``image`` were made from: each tensor's
+    version and, while its storage is marked copy-on-write (``_arm``), that mark, else its
+    address (a tensor given another buffer, ``.data = ...``); None for inference tensors,
+    which have no version (derived at every call). The address is read only where the mark is
+    gone: reading it takes the buffer for writing, which clears the mark."""
+    try:
+        # (a new dtype or device means new tensors: the first one's stand for all)
+        marks = [(t._version, "marked" if _marked(t) else t.data_ptr()) for t in tensors]
+    except RuntimeError:
+        return None
+    return (marks, tensors[0].dtype, tensors[0].device, image)
+
+
+# Whether a tensor's storage still carries the copy-on-write mark of ``_arm`` (never, in a
+# torch without copy-on-write storage: the key then holds addresses).
+_marked = getattr(torch._C, "_is_cow_tensor", lambda t: False)
+
+
+def _arm(tensors: list[Tensor]) -> None:
+    """Marks the storage of ``tensors`` copy-on-write, by making a lazy clone of each and
+    dropping it. The first write through any alias then clears the mark (``_marked``): a
+    write through torch (``.data`` included) and anything that takes a writable pointer
+    (``.numpy()``, ``data_ptr()``). The clone is gone, so the writer keeps its buffer: nothing
+    is copied, then or ever. A tensor whose storage cannot be marked (``torch.from_numpy``'s:
+    torch does not own the buffer), or on another device than the CPU (not measured there),
+    keeps its address in the key instead."""
+    lazy_clone = getattr(torch, "_lazy_clone", None)
+    for t in tensors:
+        if lazy_clone is None or t.device.type != "cpu":
+            continue
+        try:
+            lazy_clone(t.detach())
+        except RuntimeError:
+            continue
