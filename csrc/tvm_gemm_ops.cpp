@@ -76,11 +76,11 @@ struct Config {
   int64_t gemv_min_b_elements = 0;
   int64_t dot_max_m = 0;  // "nk" products with 2 <= M <= this take the "dot" variant
   int64_t dot2_max_m = 0;  // ... and "dot2" (a 2-row tile) up to this M
-  // ... but a float32 "dot" (not "dot2") with K below min(k_per_row * M, k_cap) takes the
-  // packed kernel (schedules/cpu.py DOT_K_PER_ROW, DOT_MIN_K_CAP); k_per_row 0: never.
-  struct {
-    int64_t k_per_row = 0, k_cap = 0;
-  } dot_short_rows;
+  // ... but a float32 "dot" (not "dot2") of M rows with K below dot_min_k[M] (N of
+  // dot_wide_min_n or more), dot_min_k[dot_max_m + 1 + M] (fewer), takes the packed kernel
+  // (schedules/cpu.py dot_min_k); an M past the table: never.
+  std::vector<int64_t> dot_min_k;
+  int64_t dot_wide_min_n = 0;
   // ... but a bfloat16 one with a static even K up to this M (schedules/cpu.py
   // bf16_dot_max_m); -1: dot_max_m.
   int64_t bf16_dot_max_m = -1;
@@ -247,8 +247,9 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
   const bool dot_k = whole_k || (fp32 && static_k && k > tail.k_multiple);
   if (b_nk && big_b && dot_k && m >= 2 && m <= dot_max_m) {
     if (m <= g_config.dot2_max_m) return 3;
-    const auto& rows = g_config.dot_short_rows;
-    return fp32 && k < std::min(rows.k_per_row * m, rows.k_cap) ? 0 : 2;
+    const auto& min_k = g_config.dot_min_k;
+    const size_t row = (n >= g_config.dot_wide_min_n ? 0 : g_config.dot_max_m + 1) + m;
+    return fp32 && row < min_k.size() && k < min_k[row] ? 0 : 2;
   }
   const auto& amx = g_config.amx_dot;
   if (b_nk && big_b && bf16_pairs && m >= 2 && m <= amx.max_m &&
@@ -986,7 +987,7 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
                     const std::vector<int64_t>& one_panel_swaps,
                     const std::vector<int64_t>& swap2, int64_t bf16_dot_max_m,
                     int64_t bf16_gemv_max_m, const std::vector<int64_t>& k_tail,
-                    const std::vector<int64_t>& dot_short_rows,
+                    const std::vector<int64_t>& dot_min_k, int64_t dot_wide_min_n,
                     const std::vector<std::string>& conv_epilogues,
                     const std::vector<int64_t>& rows) {
   TORCH_CHECK(!registrations(), "tvm_gemm: the C++ impls are already registered");
@@ -1003,9 +1004,10 @@ void register_impls(int64_t gemv_max_m, int64_t gemv_min_b_elements, int64_t dot
   TORCH_CHECK(k_tail.empty() || k_tail.size() == 3,
               "tvm_gemm: k_tail must be (k_multiple, max_m, bf16_max_m)");
   if (!k_tail.empty()) config.k_tail = {k_tail[0], k_tail[1], k_tail[2]};
-  TORCH_CHECK(dot_short_rows.empty() || dot_short_rows.size() == 2,
-              "tvm_gemm: dot_short_rows must be (k_per_row, k_cap)");
-  if (!dot_short_rows.empty()) config.dot_short_rows = {dot_short_rows[0], dot_short_rows[1]};
+  TORCH_CHECK(dot_min_k.empty() || dot_min_k.size() == 2 * static_cast<size_t>(dot_max_m + 1),
+              "tvm_gemm: dot_min_k must hold two rows of dot_max_m + 1 values");
+  config.dot_min_k = dot_min_k;
+  config.dot_wide_min_n = dot_wide_min_n;
   TORCH_CHECK(amx_dot.empty() || amx_dot.size() == 2,
               "tvm_gemm: amx_dot must be (max_m, max_x_bytes)");
   if (!amx_dot.empty()) config.amx_dot = {amx_dot[0], amx_dot[1]};
@@ -1104,7 +1106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("one_panel_swaps") = std::vector<int64_t>{},
         py::arg("swap2") = std::vector<int64_t>{}, py::arg("bf16_dot_max_m") = -1,
         py::arg("bf16_gemv_max_m") = -1, py::arg("k_tail") = std::vector<int64_t>{},
-        py::arg("dot_short_rows") = std::vector<int64_t>{},
+        py::arg("dot_min_k") = std::vector<int64_t>{}, py::arg("dot_wide_min_n") = 0,
         py::arg("conv_epilogues") = std::vector<std::string>{},
         py::arg("rows") = std::vector<int64_t>{},
         "Register the C++ impls for dispatch_keys() and, in front of the Python autograd kernel\n"

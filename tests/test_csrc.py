@@ -279,9 +279,10 @@ def test_cpp_table_key_follows_gemm_spec_variant():
     ms += [cpu.ROWS_MIN_M - 1, cpu.ROWS_MIN_M, 5000]  # "rows"
     nks += [(cpu.ROWS_MAX_N, 768), (cpu.ROWS_MAX_N + 1, 768)]
     nks += [(768, cpu.rows_max_k()), (768, cpu.rows_max_k() + 1)]
-    for m in (4, 8):  # "dot" needs K >= DOT_K_PER_ROW * M (at most DOT_MIN_K_CAP)
+    for m in (4, 8, 12):  # "dot" needs K >= dot_min_k(M, N) (at most DOT_MIN_K_CAP)
         ms.append(m)
-        nks += [(1152, cpu.DOT_K_PER_ROW * m - 1), (1152, cpu.DOT_K_PER_ROW * m)]
+        for n in (1152, cpu.DOT_WIDE_MIN_N, cpu.DOT_WIDE_MIN_N - 1):
+            nks += [(n, cpu.dot_min_k(m, n) - 1), (n, cpu.dot_min_k(m, n))]
     nks += [(768, cpu.DOT_MIN_K_CAP - 1), (768, cpu.DOT_MIN_K_CAP)]
     for variant, (rows, _, _) in cpu.ONE_PANEL_SWAPS.items():  # swap32, swap48
         ms += [rows - cpu.SWAP_SLACK - 1, rows - cpu.SWAP_SLACK, rows, rows + 1]

@@ -382,21 +382,43 @@ def test_dot_epilogue_in_vectors(m, act):
     torch.testing.assert_close(out, want.float(), equal_nan=True, **tolerance(torch.float32, 800))
 
 
-@pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (8, 383, "gemm"), (8, 384, "dot"),
-                                         (4, 191, "gemm"), (4, 192, "dot"), (2, 48, "dot2"),
-                                         (20, 767, "gemm"), (20, 768, "dot"),
-                                         (4, 193, "dot"), (8, 399, "dot"), (2, 33, "dot2")])  # fmt: skip
-def test_dot_takes_rows_long_enough(m, k, variant):
-    # float32 rows shorter than DOT_K_PER_ROW * M (at most DOT_MIN_K_CAP) take the packed
-    # kernel (a squeeze-and-excitation conv's 48 -> 1152 at batch 8); "dot2" keeps M = 2.
+@pytest.mark.parametrize("n", [200, 768])
+@pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (2, 48, "dot2"), (2, 33, "dot2"),
+                                         (4, "least", "dot"), (4, "shorter", "gemm"),
+                                         (8, "least", "dot"), (8, "shorter", "gemm"),
+                                         (12, "least", "dot"), (12, "shorter", "gemm"),
+                                         (20, "least", "dot"), (20, "shorter", "gemm"),
+                                         (4, 193, "dot"), (8, 399, "dot")])  # fmt: skip
+def test_dot_takes_rows_long_enough(n, m, k, variant):
+    # float32 rows shorter than dot_min_k(M, N) take the packed kernel (a squeeze-and-excitation
+    # conv's 48 -> 1152 at batch 8); "dot2" keeps M = 2.
     from torch_tvm_gemm.runtime import table
 
-    assert cpu_schedules.DOT_K_PER_ROW == 48 and cpu_schedules.DOT_MIN_K_CAP == 768
-    x, w, b = randn(m, k), randn(200, k), randn(200)
+    least = cpu_schedules.dot_min_k(m, n)
+    k = {"least": least, "shorter": least - 1}.get(k, k)
+    x, w, b = randn(m, k), randn(n, k), randn(n)
     table.clear_table()
     out = tg.linear(x, w, b, "relu")
     assert [s.variant for s in table._table] == [variant]
     assert_close(out, reference(x, w, b, "relu"), k)
+
+
+def test_dot_rows_least_length_by_cpu():
+    """48 values a row on the AMD EPYC (measured there); on an Intel Xeon with AVX-512
+    (measured there) 24 from M = 8 for weights of 512 rows or more, at least 256; 768 at most."""
+    from torch_tvm_gemm.target import CpuInfo
+
+    avx512 = frozenset({"avx512f", "avx2", "fma"})
+    amd = CpuInfo("x86_64", "AMD EPYC 9B45", avx512, 1 << 20, 2)
+    intel = CpuInfo("x86_64", "Intel(R) Xeon(R) Processor", avx512, 2 << 20, 2)
+    intel_avx2 = CpuInfo("x86_64", "Intel(R) Core(TM) i7", frozenset({"avx2", "fma"}), 1 << 20, 2)
+    least = cpu_schedules.dot_min_k
+    ms = (3, 4, 7, 8, 12, 16, 20, 32)
+    rule = [144, 192, 336, 384, 576, 768, 768, 768]
+    assert [least(m, 4096, amd) for m in ms] == rule
+    assert [least(m, 511, intel) for m in ms] == rule
+    assert [least(m, 512, intel) for m in ms] == [144, 192, 336, 256, 288, 384, 480, 768]
+    assert [least(m, 4096, intel_avx2) for m in ms] == rule
 
 
 @pytest.mark.parametrize("m", [56, 61, 64])

@@ -136,7 +136,13 @@ def use_impl(path: str) -> str:
                 cpu_schedules.KTAIL_GEMV_MAX_M,
                 cpu_schedules.KTAIL_BF16_GEMV_MAX_M,
             ],
-            dot_short_rows=[cpu_schedules.DOT_K_PER_ROW, cpu_schedules.DOT_MIN_K_CAP],
+            # (by M; for N of DOT_WIDE_MIN_N rows or more, then below it)
+            dot_min_k=[
+                cpu_schedules.dot_min_k(m, n)
+                for n in (cpu_schedules.DOT_WIDE_MIN_N, cpu_schedules.DOT_WIDE_MIN_N - 1)
+                for m in range(DOT_MAX_M + 1)
+            ],
+            dot_wide_min_n=cpu_schedules.DOT_WIDE_MIN_N,
             conv_epilogues=[a for a in CONV_ACTIVATIONS if a not in ACTIVATIONS],
             ksplit=[
                 cpu_schedules.KSPLIT_MAX_M,

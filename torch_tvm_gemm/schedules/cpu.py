@@ -73,13 +73,39 @@ DOT_MAX_M = 32
 DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 registers
 # Each output of the dot kernel ends in a sum across its vector's lanes, which short rows
 # do not pay for: float32 "dot" takes K of at least DOT_K_PER_ROW * M (DOT_MIN_K_CAP at
-# most), else the packed kernel. Measured (2 threads, AMD EPYC Zen 5, kernels alone, time
-# dot / packed, N = 384 and 1152): M = 4 K <= 128 1.0-2.2, K = 256 0.72-0.92; M = 8 K <= 256
+# most; ``dot_min_k``), else the packed kernel. Measured (2 threads, AMD EPYC Zen 5, kernels
+# alone, time dot / packed, N = 384 and 1152): M = 4 K <= 128 1.0-2.2, K = 256 0.72-0.92; M = 8 K <= 256
 # 1.06-4.1, K = 384 0.81-1.03, K = 512 0.75-0.81; M = 16 K <= 384 1.4-7.7, K = 512 1.12-1.34
 # (the squeeze-and-excitation convs' 48 -> 1152 at M = 8: 39.5 us against 9.9 us, F.linear
 # 10.8 us). The "dot2" kernel (M = 2) was ahead at every K.
 DOT_K_PER_ROW = 48
 DOT_MIN_K_CAP = 768
+# On an Intel Xeon with AVX-512 (model 167, 2 MB L2, 2 threads, kernels alone, dot time /
+# packed time) the packed kernel's pack costs more against the dot kernel's sums than on the
+# AMD EPYC, for weights of DOT_WIDE_MIN_N rows or more (N = 512 / 768 / 1152 / 2000 / 3072):
+# M = 8 K = 256 0.74 / 0.78 / 0.73 / 0.50 / 0.73, M = 12 K = 384 0.79 / 0.82 / 0.80 / 0.58 /
+# 0.81, M = 16 K = 384 0.95 / 0.99 / 0.96 / 0.64 / 0.88 and K = 512 0.82 / 0.81 / 0.82 / 0.69 /
+# 0.85, M = 20 K = 512 0.83 / 0.91 / 0.90 / 0.78 / 0.91, M = 24 K = 512 1.05 / 0.97 / 0.98 /
+# 0.87 / 1.00: there the rows' least length is DOT_K_PER_ROW_INTEL a row from M = 8, and at
+# least DOT_WIDE_SHORT_K (M = 8, K = 192: 1.24 / 0.88 / 0.85 / 0.53 / 0.78). Below M = 8 the
+# 4-row tile runs twice (M = 5-7, K = 96-160: 0.93-2.6), and narrower weights lose with it
+# (N = 128 / 256 / 384 at M = 12 K = 384: 1.26 / 1.32 / 0.84, at M = 16: 1.47 / 1.43 / 0.95;
+# N = 256 / 384 at M = 8 K = 256: 1.20 / 1.21): both keep the rule above.
+DOT_K_PER_ROW_INTEL = 24
+DOT_WIDE_MIN_N = 512
+DOT_WIDE_SHORT_K = 256
+
+
+def dot_min_k(m: int, n: int, cpu: CpuInfo | None = None) -> int:
+    """The least K of a float32 "dot" product of M rows by an N x K weight (shorter rows: the
+    packed kernel)."""
+    cpu = cpu or host_cpu()
+    least = min(DOT_K_PER_ROW * m, DOT_MIN_K_CAP)
+    if "Intel" in cpu.model and cpu.vector_bytes == 64 and n >= DOT_WIDE_MIN_N and m >= 8:
+        least = min(max(DOT_K_PER_ROW_INTEL * m, DOT_WIDE_SHORT_K), least)
+    return least
+
+
 # The dot kernels vectorise along K: a K off whole vectors (a multiple of DOT_K_MULTIPLE, the
 # fp32 lanes of AVX-512) carried a bounds test into their vector loop, which then ran a lane
 # at a time. Such a K took the gemv up to KTAIL_GEMV_MAX_M rows (bf16: KTAIL_BF16_GEMV_MAX_M)
@@ -274,7 +300,7 @@ def gemm_variant(
     whole_k = static_k and k % DOT_K_MULTIPLE == 0
     dot_k = whole_k or (dtype == "float32" and static_k and k > DOT_K_MULTIPLE)  # (K's tail apart)
     if nk and dot_k and 2 <= m <= (bf16_dot_max_m() if bf16_pairs else DOT_MAX_M):
-        short_rows = dtype == "float32" and k < min(DOT_K_PER_ROW * m, DOT_MIN_K_CAP)
+        short_rows = dtype == "float32" and k < dot_min_k(m, n)
         if m <= DOT2_MAX_M or not short_rows:
             return "dot2" if m <= DOT2_MAX_M else "dot"
         return "gemm"
