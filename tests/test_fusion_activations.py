@@ -391,3 +391,19 @@ def test_conv_module_keeps_its_weight_channels_last_and_follows_writes(monkeypat
     (grad,) = torch.autograd.grad(y.sum(), conv.weight)
     (want,) = torch.autograd.grad(expected().sum(), conv.weight)
     assert_close(grad, want, k=2 * 81)
+
+
+def test_conv_modules_pickled_without_kept_weights_still_run():
+    """A fused conv pickled by a version that kept no weights (no ``_kept``) loads and runs."""
+    import pickle
+
+    conv, bn = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8).eval()
+    x = randn(1, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    for module, expected in (
+        (TVMConv2dBiasReLU.from_conv(conv), lambda: F.relu(conv(x))),
+        (TVMConv2dBN(conv, bn, "relu"), lambda: F.relu(bn(conv(x)))),
+    ):
+        del module.__dict__["_kept"]
+        loaded = pickle.loads(pickle.dumps(module))
+        with torch.no_grad():
+            assert_close(loaded(x), expected(), k=36)

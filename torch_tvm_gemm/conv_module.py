@@ -97,6 +97,10 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         before the kept copy, which no check sees; as ``TVMConv2dBN.refold``)."""
         self._kept.forget()
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_kept", KeptWeights())  # (a module pickled before it had one)
+
     def _op_weight(self, x: Tensor) -> Tensor:
         """The weight as the op reads it in place. Measured (VGG-11 converted, 224 x 224,
         batch 1, 2 threads, Intel Xeon): its channels_last region permuted the 3x3 weights at

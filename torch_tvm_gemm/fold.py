@@ -12,10 +12,10 @@ on an AMD EPYC; for the fp32 convs with few output pixels, a GEMM over channels-
 for the fp32 convs of a channels_last input; an input of another image size or memory
 format folds again). A write that torch does not count in the version (through
 ``tensor.data``, or a numpy view made after the fold) is seen too: keeping a fold marks the
-six tensors' storage copy-on-write (``kept_weights.py``), and the first write through any alias clears
-the mark, which the next call checks. Nothing is copied: no one else shares the buffer, so
-the writer keeps it. A numpy view made before the fold writes unseen: call ``refold()``
-after writing through one. (Folding at every call instead would cost a pass over the weight
+six tensors' storage copy-on-write (``kept_weights.py``), and the first write through any
+alias clears the mark, which the next call checks. Nothing is copied: no one else shares
+the buffer, so the writer keeps it. A numpy view made before the fold writes unseen: call
+``refold()`` after writing through one. (Folding at every call instead would cost a pass over the weight
 per call, as much as the conv's own pack.) Under
 ``torch.compile`` the fold is part of the graph, computed at every call (inductor fuses it
 into one pass over the weight). With gradients
@@ -140,6 +140,10 @@ class TVMConv2dBN(nn.Module):
         """Fold again at the next call (after a write through a numpy view made before the
         fold, which no check sees)."""
         self._kept.forget()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_kept", KeptWeights())  # (a module pickled before it had one)
 
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources
