@@ -94,6 +94,31 @@ def test_corrupt_kernel_is_rebuilt(tmp_path, damage):
     assert cache.is_intact(so)
 
 
+def test_a_reader_never_meets_a_library_without_its_json(tmp_path, monkeypatch):
+    """A process looks for a kernel without taking its lock first (``_load_cached``), and
+    removes a library without its .json as damaged. So a build never shows one: at each
+    rename into the cache, a reader that looks then finds a miss or the whole kernel, and
+    removes nothing (the library was once removed under its builder, whose own load then
+    found no file)."""
+    monkeypatch.setenv("TVM_GEMM_CACHE_DIR", str(tmp_path))
+    spec = GemmSpec("float32", 12, 24, "nk", bias=True, activation="relu")
+    path = cache.kernel_path(spec)
+    cache.make_private_dir(path.parent)
+    looks, real_replace = [], os.replace
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if Path(dst) in (path, cache.meta_path(path)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # (a "corrupt" warning fails the test)
+                looks.append(cache._load_cached(path, spec.name()) is not None)
+
+    monkeypatch.setattr(os, "replace", replace)
+    cache._export(path, spec)
+    assert looks == [False, True]  # the .json alone: a miss; then the whole kernel
+    assert cache.is_intact(path)
+
+
 def test_no_compile_mode_names_the_missing_kernel(tmp_path):
     proc = run_child(tmp_path, TVM_GEMM_NO_COMPILE="1")
     _, err = proc.communicate(timeout=300)

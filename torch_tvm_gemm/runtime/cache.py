@@ -121,8 +121,9 @@ def _load_cached(path: Path, name: str, device: str = "cpu") -> Any | None:
         _remove(path)
         return None
     if not is_intact(path):
-        # A .json without its library is what a concurrent clear or prune leaves for a
-        # moment (the library goes first): a plain miss. Anything else is damage.
+        # A .json without its library is what a concurrent build (the .json goes in
+        # first: _export), clear or prune leaves for a moment: a plain miss. Anything
+        # else is damage.
         if os.path.lexists(path):
             _warn(f"cached kernel {path} is corrupt or incomplete; rebuilding it")
             _remove(path)
@@ -206,8 +207,8 @@ def _check_complete_elf(path: Path) -> None:
 
 def _export(path: Path, spec) -> None:
     """Build the kernel (in a compile worker) and write it and its ``.json`` into the cache;
-    only a complete, flushed library is renamed into place. Raises on failure (a full
-    disk), leaving nothing behind."""
+    only a complete, flushed library is renamed into place, after its ``.json``. Raises on
+    failure (a full disk), leaving nothing behind."""
     tmp = _temp_file(path)
     try:
         seconds = build_worker.build(spec, tmp, _arch(spec))  # a worker writes the library
@@ -221,14 +222,18 @@ def _export(path: Path, spec) -> None:
             "size": tmp.stat().st_size,
             "build_seconds": round(seconds, 3),
         }
-        os.replace(tmp, path)
+        # The .json first: a process that finds the library (looking without the lock)
+        # must find its .json too, else it reads the library as damaged and removes it
+        # while this one is about to load it (two test workers did: one warned "corrupt",
+        # the other's load found no file).
+        _atomic_write_text(meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            meta_path(path).unlink(missing_ok=True)
+            raise
     finally:
         tmp.unlink(missing_ok=True)
-    try:
-        _atomic_write_text(meta_path(path), json.dumps(meta, indent=1, sort_keys=True))
-    except BaseException:
-        path.unlink(missing_ok=True)  # a kernel without its .json would read as corrupt
-        raise
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -198,7 +198,9 @@ def import_cache(archive: Path, force: bool = False) -> tuple[int, list[str]]:
         try:
             for m in wanted:  # ("data": no absolute paths or links; group/other write bits off)
                 tar.extract(m, staging, filter="data")
-            for m in wanted:
+            # (each kernel's .json before its library, as a build writes them: a process
+            # that finds a library without its .json removes it as damaged)
+            for m in sorted(wanted, key=lambda m: m.name.endswith(".so")):
                 dest = root / m.name
                 make_private_dir(dest.parent)
                 os.chmod(staging / m.name, PRIVATE_FILE_MODE)
