@@ -242,21 +242,29 @@ def test_bn_fold_follows_writes_counted_by_torch_or_not(monkeypatch):
         for _ in range(3):  # folded once, kept
             assert_close(fused(x), expected(), k=200)
         assert len(folds) == 1
-        conv.weight.mul_(2.0)  # counted by torch
-        assert_close(fused(x), expected(), k=200)
-        bn.running_mean.data.add_(1.0)  # through .data: not counted
-        assert_close(fused(x), expected(), k=200)
-        conv.weight.data.mul_(-0.5)
-        assert_close(fused(x), expected(), k=200)
-        bn.running_var.detach().numpy()[:] *= 2.0  # a numpy view made after the fold
-        assert_close(fused(x), expected(), k=200)
-        assert len(folds) == 5
+        _every_write_seen(fused, x, expected, [conv.weight, bn.running_var, conv.bias], k=200)
+        assert len(folds) == 1 + 3 * 3 + 2
         assert conv.weight.data_ptr() == address  # written in place, never copied
-        kept = conv.bias.detach().numpy()
-        fused(x)  # (making the view took the bias for writing: folded again, then kept)
-        kept += 1.0  # a view from before that fold: not seen
-        fused.refold()
-        assert_close(fused(x), expected(), k=200)
+
+
+def _every_write_seen(fused, x, expected, tensors, k) -> None:
+    """Writes each of ``tensors`` three ways and checks ``fused(x)`` against ``expected()``
+    after each: counted by torch, through ``.data`` (not counted: seen by the storage's
+    copy-on-write mark), through a numpy view made after the kept copy. Then a numpy view
+    made before the kept copy and written after it, which ``refold()`` makes seen: two more
+    derivations (making the view took the tensor for writing; then ``refold()``)."""
+    for t in tensors:
+        t.mul_(2.0)  # counted by torch
+        assert_close(fused(x), expected(), k=k)
+        t.data.mul_(0.5)  # through .data
+        assert_close(fused(x), expected(), k=k)
+        t.detach().numpy()[...] *= 3.0  # a numpy view made after the kept copy
+        assert_close(fused(x), expected(), k=k)
+    view = tensors[-1].detach().numpy()
+    fused(x)  # (derived again, then kept)
+    view += 1.0  # a view from before that: not seen
+    fused.refold()
+    assert_close(fused(x), expected(), k=k)
 
 
 def test_bn_fold_follows_a_parametrized_weight_and_replaced_tensors():
@@ -371,19 +379,9 @@ def test_conv_module_keeps_its_weight_channels_last_and_follows_writes(monkeypat
         kept = fused._kept.value[0]
         assert kept.is_contiguous(memory_format=torch.channels_last)
         assert kept.data_ptr() != conv.weight.data_ptr()
-        conv.weight.mul_(-1.0)  # counted by torch
-        assert_close(fused(x), expected(), k=16 * 9)
-        conv.weight.data.mul_(0.5)  # through .data: not counted
-        assert_close(fused(x), expected(), k=16 * 9)
-        conv.weight.detach().numpy()[0] *= 3.0  # a numpy view made after the copy
-        assert_close(fused(x), expected(), k=16 * 9)
-        assert len(relayouts) == 4
+        _every_write_seen(fused, x, expected, [conv.weight], k=16 * 9)
+        assert len(relayouts) == 1 + 3 + 2
         assert conv.weight.data_ptr() == address  # written in place, never copied
-        view = conv.weight.detach().numpy()
-        fused(x)  # (making the view took the weight for writing: copied again, then kept)
-        view += 1.0  # a view from before that copy: not seen
-        fused.refold()
-        assert_close(fused(x), expected(), k=16 * 9)
         plain = x.contiguous()  # the conv kernel reads the contiguous weight itself
         assert_close(fused(plain), expected(plain), k=16 * 9)
         assert fused._kept.value[0] is conv.weight
