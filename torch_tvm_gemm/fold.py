@@ -15,11 +15,10 @@ format folds again). A write that torch does not count in the version (through
 six tensors' storage copy-on-write (``kept_weights.py``), and the first write through any
 alias clears the mark, which the next call checks. Nothing is copied: no one else shares
 the buffer, so the writer keeps it. A numpy view made before the fold writes unseen: call
-``refold()`` after writing through one. (Folding at every call instead would cost a pass over the weight
-per call, as much as the conv's own pack.) Under
-``torch.compile`` the fold is part of the graph, computed at every call (inductor fuses it
-into one pass over the weight). With gradients
-wanted the fold is done with autograd on every call, so the
+``refold()`` after writing through one. (Folding at every call instead would cost a pass
+over the weight per call, as much as the conv's own pack.) Under ``torch.compile`` the fold
+is part of the graph, computed at every call (inductor fuses it into one pass over the
+weight). With gradients wanted the fold is done with autograd on every call, so the
 gradients reach the conv's and BN's own parameters; a BN switched back to training mode runs
 as plain torch ops.
 """

@@ -74,10 +74,10 @@ DOT_TILE = (4, 6)  # rows of A, rows of the weight: 24 accumulators of the 32 re
 # Each output of the dot kernel ends in a sum across its vector's lanes, which short rows
 # do not pay for: float32 "dot" takes K of at least DOT_K_PER_ROW * M (DOT_MIN_K_CAP at
 # most; ``dot_min_k``), else the packed kernel. Measured (2 threads, AMD EPYC Zen 5, kernels
-# alone, time dot / packed, N = 384 and 1152): M = 4 K <= 128 1.0-2.2, K = 256 0.72-0.92; M = 8 K <= 256
-# 1.06-4.1, K = 384 0.81-1.03, K = 512 0.75-0.81; M = 16 K <= 384 1.4-7.7, K = 512 1.12-1.34
-# (the squeeze-and-excitation convs' 48 -> 1152 at M = 8: 39.5 us against 9.9 us, F.linear
-# 10.8 us). The "dot2" kernel (M = 2) was ahead at every K.
+# alone, time dot / packed, N = 384 and 1152): M = 4 K <= 128 1.0-2.2, K = 256 0.72-0.92;
+# M = 8 K <= 256 1.06-4.1, K = 384 0.81-1.03, K = 512 0.75-0.81; M = 16 K <= 384 1.4-7.7,
+# K = 512 1.12-1.34 (the squeeze-and-excitation convs' 48 -> 1152 at M = 8: 39.5 us against
+# 9.9 us, F.linear 10.8 us). The "dot2" kernel (M = 2) was ahead at every K.
 DOT_K_PER_ROW = 48
 DOT_MIN_K_CAP = 768
 # On an Intel Xeon with AVX-512 (model 167, 2 MB L2, 2 threads, kernels alone, dot time /
