@@ -24,10 +24,10 @@ A "kn" B (transformers' Conv1D weight, x @ W) is packed by a copy of NR values f
 its K rows (in vectors), rows N values apart: each row now first asks for the row AHEAD_ROWS
 further. Same measurement (GPT-2's 2304 x 768, 768 x 768, 3072 x 768, 768 x 3072; against
 torch.addmm): M = 128 -0.4% to +3.9%, M = 256 -0.6% to +5.5%, M = 1024 -1.4% to +3%; the pack
-alone (M = 6, one thread) +6% to +13%. 16 rows ahead: about the same. (On a Xeon of KVM model 167, with the
-copy in vectors, without the prefetch read 7-11% faster kernels alone on a ring of 8 weights
-at M = 128, but through the op GPT-2's shapes lost up to 14% at M = 32 and the GPT-2 model
-lost 2-3% at batch 1: kept.)
+alone (M = 6, one thread) +6% to +13%. 16 rows ahead: about the same. (On a Xeon of KVM model
+167, with the copy in vectors, without the prefetch read 7-11% faster kernels alone on a ring
+of 8 weights at M = 128, but through the op GPT-2's shapes lost up to 14% at M = 32 and the
+GPT-2 model lost 2-3% at batch 1: kept.)
 
 The K-blocked kernel (K past half the L2 in a 64-wide panel: K > 2048 on a 1 MB L2) packs a
 chunk of 256 values of K of its task's panels at a time, then runs every tile of A over it.
