@@ -86,6 +86,27 @@ def test_jvp_and_forward_ad_give_the_right_tangents(impl, act):
         assert_close(got, ref_tangent, k=16)
 
 
+def test_outputs_made_with_gradients_are_freed_without_the_garbage_collector(impl):
+    """An op's output made with gradients wanted is freed when its last reference goes, as
+    torch's are: the autograd node does not hold its own output (a reference cycle that only
+    Python's garbage collector broke kept every output, and its memory, alive until then)."""
+    import gc
+    import weakref
+
+    x, w, b = args()
+    x.requires_grad_()
+    gc.disable()
+    try:
+        for tvm_fn, _ in pairs("relu"):
+            out = tvm_fn(x, w, b)
+            assert out.grad_fn is not None
+            alive = weakref.ref(out)
+            del out
+            assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_vmap_matches_torch(impl):
     x, w, b = randn(5, 3, 16), randn(6, 16), randn(6)
     got = torch.func.vmap(lambda xi: tg.linear(xi, w, b, "silu"))(x)
