@@ -358,7 +358,8 @@ def test_conv_module_keeps_its_weight_channels_last_and_follows_writes(monkeypat
     weight, made once and again after each kind of write (counted by torch, through
     ``.data``, through a numpy view made after the copy; one made before needs
     ``refold()``), never writing the weight itself; a contiguous input takes the weight as it
-    is, and with gradients wanted the weight itself reaches the op."""
+    is, and with gradients wanted the kept copy reaches the op as a function of the weight
+    (no copy per call)."""
     import torch_tvm_gemm.conv_module as conv_module
 
     relayouts, real = [], conv_module.weight_layout
@@ -385,10 +386,45 @@ def test_conv_module_keeps_its_weight_channels_last_and_follows_writes(monkeypat
         plain = x.contiguous()  # the conv kernel reads the contiguous weight itself
         assert_close(fused(plain), expected(plain), k=16 * 9)
         assert fused._kept.value[0] is conv.weight
-    y = fused(x)  # with gradients: the weight itself, which the gradient reaches
-    (grad,) = torch.autograd.grad(y.sum(), conv.weight)
-    (want,) = torch.autograd.grad(expected().sum(), conv.weight)
-    assert_close(grad, want, k=2 * 81)
+    fused(x)  # (copied again: the contiguous input's copy was the weight itself)
+    count = len(relayouts)
+    for _ in range(2):  # with gradients: the kept copy, which the gradient goes through
+        y = fused(x)
+        (grad,) = torch.autograd.grad(y.sum(), conv.weight)
+        (want,) = torch.autograd.grad(expected().sum(), conv.weight)
+        assert_close(grad, want, k=2 * 81)
+    assert len(relayouts) == count
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=str)
+def test_bn_fold_kept_with_gradients_wanted(monkeypatch, layout):
+    """An eval-mode model called with gradients wanted (outside ``no_grad()``): the kept fold
+    reaches the op as a function of the conv's and BN's parameters, folded once, not at every
+    call. The gradients of the input and of the four parameters are torch's, a double backward
+    too; an optimizer step refolds."""
+    import torch_tvm_gemm.fold as fold
+
+    folds, real_fold = [], fold.fold_conv_bn
+    monkeypatch.setattr(fold, "fold_conv_bn", lambda *a: folds.append(1) or real_fold(*a))
+    conv, bn = nn.Conv2d(3, 8, 3, padding=1), _with_stats(nn.BatchNorm2d(8)).eval()
+    fused = TVMConv2dBN(conv, bn, "relu")
+    params = [conv.weight, conv.bias, bn.weight, bn.bias]
+    x = randn(2, 3, 7, 7).contiguous(memory_format=layout).requires_grad_()
+    for step in range(3):
+        for module in (fused, fused, lambda x: F.relu(bn(conv(x)))):  # (fused: twice)
+            y = module(x)
+            grads = torch.autograd.grad(y.square().sum(), [x, *params], create_graph=True)
+            # (and through the gradients: a second derivative, by the BN's scale)
+            second = torch.autograd.grad(grads[1].square().sum(), bn.weight)
+            if module is fused:
+                got = (y, *grads, *second)
+            else:
+                for g, want in zip(got, (y, *grads, *second), strict=True):
+                    assert_close(g, want, k=200)
+        assert len(folds) == 1 + step
+        with torch.no_grad():
+            for p, g in zip(params, grads[1:], strict=True):
+                p -= 0.01 * g
 
 
 def test_conv_modules_pickled_without_kept_weights_still_run():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .kept_weights import KeptWeights
+from .kept_weights import KeptWeights, gradient_keepable, with_gradient
 from .ops.conv_ops import weight_layout
 
 CONV_OP = torch.ops.tvm_gemm.conv2d_bias_relu
@@ -106,12 +106,11 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         batch 1, 2 threads, Intel Xeon): its channels_last region permuted the 3x3 weights at
         every call, 4.1 ms of the 70.6 ms forward."""
         weight = self.weight
-        if (
-            (torch.is_grad_enabled() and weight.requires_grad)  # (the gradient reaches it)
-            or torch.compiler.is_dynamo_compiling()  # (a graph keeps no copy)
-            or x.device.type != "cpu"
-        ):
-            return weight
+        if torch.compiler.is_dynamo_compiling() or x.device.type != "cpu":
+            return weight  # (a graph keeps no copy)
+        grad = torch.is_grad_enabled() and weight.requires_grad
+        if grad and not gradient_keepable():
+            return weight  # (the op's own autograd, copying where it reads another layout)
         image = (x.shape[1:], x.dtype, x.is_contiguous())
 
         def relayout() -> tuple[Tensor]:
@@ -121,7 +120,10 @@ class TVMConv2dBiasReLU(nn.Conv2d):
 
         # (a parametrization's weight is computed at each read: not plain, copied every call)
         plain = self._parameters.get("weight") is weight
-        return self._kept.get([weight], plain, image, relayout)[0]
+        kept = self._kept.get([weight], plain, image, relayout)
+        if grad and kept[0] is not weight:  # (the copy's gradient is the weight's)
+            return with_gradient(kept, (weight,), lambda w: (w,))[0]
+        return kept[0]
 
     def forward(self, x: Tensor) -> Tensor:
         unbatched = x.dim() == 3  # as nn.Conv2d: (C, H, W) is one image

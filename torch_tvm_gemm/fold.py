@@ -18,9 +18,10 @@ the buffer, so the writer keeps it. A numpy view made before the fold writes uns
 ``refold()`` after writing through one. (Folding at every call instead would cost a pass
 over the weight per call, as much as the conv's own pack.) Under ``torch.compile`` the fold
 is part of the graph, computed at every call (inductor fuses it into one pass over the
-weight). With gradients wanted the fold is done with autograd on every call, so the
-gradients reach the conv's and BN's own parameters; a BN switched back to training mode runs
-as plain torch ops.
+weight). With gradients wanted the kept fold is read as a function of the conv's and BN's own
+parameters (``kept_weights.with_gradient``: the backward differentiates the fold), so the
+gradients reach them; under a torch.func transform or forward-mode AD the fold is done with
+autograd on every call. A BN switched back to training mode runs as plain torch ops.
 """
 
 from __future__ import annotations
@@ -29,25 +30,34 @@ import torch
 from torch import Tensor, nn
 
 from .fusion import CONV_OP, conv_padding, is_frozen_bn
-from .kept_weights import KeptWeights
+from .kept_weights import KeptWeights, gradient_keepable, with_gradient
 from .kernels.conv2d import torch_activation
 from .ops.conv_ops import weight_layout
 
 
 def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
     """The weight and bias of ``conv`` with the eval-mode ``bn`` after it folded in."""
-    scale, bias = _conv_bn_affine(conv, bn)
-    weight = conv.weight * scale.to(conv.weight.dtype).view(-1, 1, 1, 1)
-    return weight, bias.to(conv.weight.dtype)
+    return _fold(conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                 bn.eps)  # fmt: skip
+
+
+def _fold(weight, bias, gamma, beta, mean, var, eps: float) -> tuple[Tensor, Tensor]:
+    """``fold_conv_bn`` of the conv's and BN's tensors (bias, gamma, beta may be None)."""
+    scale, bias = _affine(bias, gamma, beta, mean, var, eps)
+    weight = weight * scale.to(weight.dtype).view(-1, 1, 1, 1)
+    return weight, bias.to(weight.dtype)
 
 
 def _conv_bn_affine(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
     """(scale, bias) per output channel: ``bn(conv(x)) == conv_no_bias(x) * scale + bias``."""
-    var, mean = bn.running_var, bn.running_mean
-    gamma = bn.weight if bn.weight is not None else torch.ones_like(var)
-    beta = bn.bias if bn.bias is not None else torch.zeros_like(var)
-    scale = gamma * torch.rsqrt(var + bn.eps)
-    bias = conv.bias if conv.bias is not None else torch.zeros_like(mean)
+    return _affine(conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps)
+
+
+def _affine(bias, gamma, beta, mean, var, eps: float) -> tuple[Tensor, Tensor]:
+    gamma = gamma if gamma is not None else torch.ones_like(var)
+    beta = beta if beta is not None else torch.zeros_like(var)
+    scale = gamma * torch.rsqrt(var + eps)
+    bias = bias if bias is not None else torch.zeros_like(mean)
     return scale, (bias - mean) * scale + beta
 
 
@@ -95,33 +105,34 @@ class TVMConv2dBN(nn.Module):
     def relu(self) -> bool:
         return self.activation == "relu"
 
-    def _tensors(self) -> tuple[list[Tensor], bool]:
-        """The conv's and BN's tensors, and whether all six are plain parameters or buffers
-        (else one is computed at each read, e.g. a parametrization's weight: a fresh tensor
-        of version 0, possibly at the address of the last one, which no key can follow)."""
+    def _tensors(self) -> tuple[list[Tensor | None], bool]:
+        """The conv's weight and bias and the BN's weight, bias, mean and variance (None where
+        there is none), and whether all are plain parameters or buffers (else one is computed
+        at each read, e.g. a parametrization's weight: a fresh tensor of version 0, possibly at
+        the address of the last one, which no key can follow)."""
         conv, bn = self.sources
         try:  # read from the modules' own dicts: nn.Module.__getattr__ cost ~3 us for the six
             p, bb = conv._parameters, bn._buffers
             bp = bb if self.frozen else bn._parameters  # (a frozen BN's are buffers)
             found = [p["weight"], p["bias"], bp["weight"], bp["bias"]]
-            found += [bb["running_mean"], bb["running_var"]]
-            plain = True
+            return found + [bb["running_mean"], bb["running_var"]], True
         except KeyError:
             found = [conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var]
-            plain = False
-        return [t for t in found if t is not None], plain
+            return found, False
 
     def _weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
         conv, bn = self.sources
-        tensors, plain = self._tensors()
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return fold_conv_bn(conv, bn)  # differentiable, every call
+        six, plain = self._tensors()
+        tensors = [t for t in six if t is not None]
         if torch.compiler.is_dynamo_compiling():
             # Traced, the fold is part of the graph: dynamo cannot trace the version check
             # below (a graph break at every folded conv, an error under fullgraph=True), and
             # a kept fold would not see the weights change between calls of the graph.
             weight, bias = fold_conv_bn(conv, bn)
             return weight.contiguous(), bias.contiguous()
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if grad and not (plain and gradient_keepable()):
+            return fold_conv_bn(conv, bn)  # differentiable, every call
         # (and x's image: its size and memory format pick the route, hence the layout, e.g.
         # at 7x7 pixels, or channels_last)
         image = (x.shape[1:], x.dtype, x.is_contiguous())
@@ -133,7 +144,10 @@ class TVMConv2dBN(nn.Module):
                                    conv.groups)  # fmt: skip
             return weight.contiguous(memory_format=layout), bias.contiguous()
 
-        return self._kept.get(tensors, plain, image, fold)
+        kept = self._kept.get(tensors, plain, image, fold)
+        if grad:  # (the gradient of the layout copy is the fold's: no copy in the backward)
+            return with_gradient(kept, six, lambda *t: _fold(*t, bn.eps))
+        return kept
 
     def refold(self) -> None:
         """Fold again at the next call (after a write through a numpy view made before the
