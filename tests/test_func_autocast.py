@@ -187,6 +187,38 @@ def test_autocast_casts_like_torch(impl, dtype):
     assert w.grad.dtype == torch.float32
 
 
+def test_autocast_casts_a_weight_once_per_region_like_torch():
+    """Under autocast a weight (a leaf tensor that requires grad) is cast once per autocast
+    region, by torch's own cast cache, as for F.linear; the activations at every call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_tvm_gemm import _ext
+
+    if _ext.load() is None:
+        pytest.skip("no C++ extension (without it the ops cast at every call)")
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, weight):
+            super().__init__()
+            self.shape, self.count = weight.shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].shape == self.shape:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    x, w, b = args()
+    w.requires_grad_()
+    counts = []
+    for fn in (tg.linear, F.linear):
+        with WeightCasts(w) as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = [fn(x, w, b) for _ in range(3)]
+        counts.append(casts.count)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (a new region: cast again)
+            assert_close(fn(x, w, b), outs[0], k=16)
+    assert counts == [1, 1]
+
+
 def test_autocast_training_step_of_a_converted_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 4))
