@@ -86,6 +86,38 @@ def test_jvp_and_forward_ad_give_the_right_tangents(impl, act):
         assert_close(got, ref_tangent, k=16)
 
 
+@pytest.mark.parametrize("act", list(ACTS))
+def test_second_derivatives_match_torch(impl, act):
+    """A backward differentiated again (create_graph: gradient penalties, torch.func.hessian)
+    gives torch's second derivatives, for every epilogue (aten::silu_backward has none)."""
+    x, w, b = (t.requires_grad_() for t in args())
+    for tvm_fn, ref_fn in pairs(act):
+        found = []
+        for fn in (tvm_fn, ref_fn):
+            (gx,) = torch.autograd.grad(fn(x, w, b).square().sum(), x, create_graph=True)
+            found.append(torch.autograd.grad(gx.square().sum(), (x, w, b), allow_unused=True))
+        for got, want in zip(*found, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert_close(got, want, k=16)
+
+
+@pytest.mark.parametrize("act", ["silu", "hardswish", "sigmoid", "relu6"])  # (torch has no
+# second derivative of hardsigmoid)
+def test_conv_second_derivatives_match_torch(impl, act):
+    from torch_tvm_gemm.kernels.conv2d import torch_activation
+
+    x, w, b = randn(1, 3, 5, 5).requires_grad_(), randn(4, 3, 3, 3), randn(4)
+    found = []
+    for fn in (
+        lambda x: tg.conv2d_bias_relu(x, w, b, padding=1, activation=act),
+        lambda x: torch_activation(act)(F.conv2d(x, w, b, padding=1)),
+    ):
+        (gx,) = torch.autograd.grad(fn(x).square().sum(), x, create_graph=True)
+        found.append(torch.autograd.grad(gx.square().sum(), x)[0])
+    assert_close(*found, k=27)
+
+
 def test_outputs_made_with_gradients_are_freed_without_the_garbage_collector(impl):
     """An op's output made with gradients wanted is freed when its last reference goes, as
     torch's are: the autograd node does not hold its own output (a reference cycle that only

@@ -38,7 +38,7 @@ from .checks import (
     conv_activation,
     pair,
 )
-from .gemm_ops import aligned, device_name, gemm, saveable, sum_tangents
+from .gemm_ops import aligned, device_name, gemm, saveable, silu_grad, sum_tangents
 from .plan import active as active_plan
 from .schemas import LIB
 
@@ -629,10 +629,12 @@ def _output_grad(act: str):
     return _OUTPUT_GRADS.get(act)
 
 
+# torch's backward formulas (differentiable again, except hardsigmoid's, as for torch's own
+# F.hardsigmoid)
 _PRE_ACTIVATION_GRADS = {
     "hardswish": lambda grad, z: torch.ops.aten.hardswish_backward(grad, z),
     "hardsigmoid": lambda grad, z: torch.ops.aten.hardsigmoid_backward(grad, z),
-    "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
+    "silu": silu_grad,
 }
 
 

@@ -342,19 +342,22 @@ def sum_tangents(parts: list[Tensor], output: Tensor) -> Tensor:
 register_function_autograd("matmul", _matmul_backward, _matmul_setup, _matmul_jvp)
 
 
-def _gelu_grad(z: Tensor) -> Tensor:
-    """d/dz of the exact GELU: Phi(z) + z * phi(z)."""
-    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
-    return cdf + z * pdf
+def silu_grad(grad: Tensor, z: Tensor) -> Tensor:
+    """``grad`` times d silu(z) / dz, as torch's F.silu computes it: aten::silu_backward has
+    no derivative of its own, so where the backward is itself differentiated (create_graph,
+    torch.func.hessian) torch's formula in ops, else the one kernel."""
+    if torch.is_grad_enabled():
+        s = torch.sigmoid(z)
+        return grad * s * (1 + z * (1 - s))
+    return torch.ops.aten.silu_backward(grad, z)
 
 
 # d act(z) / dz applied to the incoming gradient, from the pre-activation z (torch's own
-# backward formulas, so the gradients match F.gelu(approximate="tanh") / F.silu exactly).
+# backward formulas, so the gradients match F.gelu / F.silu exactly, and differentiate again).
 _PRE_ACTIVATION_GRADS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "gelu": lambda grad, z: grad * _gelu_grad(z),
+    "gelu": lambda grad, z: torch.ops.aten.gelu_backward(grad, z),
     "gelu_tanh": lambda grad, z: torch.ops.aten.gelu_backward(grad, z, approximate="tanh"),
-    "silu": lambda grad, z: torch.ops.aten.silu_backward(grad, z),
+    "silu": silu_grad,
 }
 
 
