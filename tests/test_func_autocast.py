@@ -219,36 +219,87 @@ def test_autocast_casts_like_torch(impl, dtype):
     assert w.grad.dtype == torch.float32
 
 
-def test_autocast_casts_a_weight_once_per_region_like_torch():
-    """Under autocast a weight (a leaf tensor that requires grad) is cast once per autocast
-    region, by torch's own cast cache, as for F.linear; the activations at every call."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _WeightCasts:
+    """Counts the casts (``aten._to_copy``) of tensors of ``shape`` while active."""
 
-    from torch_tvm_gemm import _ext
+    def __init__(self, shape):
+        from torch.utils._python_dispatch import TorchDispatchMode
 
-    if _ext.load() is None:
-        pytest.skip("no C++ extension (without it the ops cast at every call)")
+        counter = self
 
-    class WeightCasts(TorchDispatchMode):
-        def __init__(self, weight):
-            super().__init__()
-            self.shape, self.count = weight.shape, 0
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._to_copy.default and args[0].shape == shape:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].shape == self.shape:
-                self.count += 1
-            return func(*args, **(kwargs or {}))
+        self.count, self.mode = 0, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_autocast_keeps_a_weights_cast_while_it_is_unchanged():
+    """Under autocast a weight (a float32 leaf that requires grad) is cast once and the cast
+    kept across autocast regions (torch casts it once per region), made again after each kind
+    of write to the weight; the activations are cast at every call. With gradients wanted the
+    gradient reaches the fp32 weight; with the autocast cache off every call casts; the kept
+    cast goes with its weight."""
+    import gc
+    import weakref
+
+    from torch_tvm_gemm import autocast
 
     x, w, b = args()
-    w.requires_grad_()
-    counts = []
-    for fn in (tg.linear, F.linear):
-        with WeightCasts(w) as casts, torch.autocast("cpu", dtype=torch.bfloat16):
-            outs = [fn(x, w, b) for _ in range(3)]
-        counts.append(casts.count)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # (a new region: cast again)
-            assert_close(fn(x, w, b), outs[0], k=16)
-    assert counts == [1, 1]
+    w = nn.Parameter(w)
+
+    def bf16():  # (a new context each time: an autocast object is not reentrant)
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def expected():
+        with torch.no_grad(), bf16():
+            return F.linear(x, w, b)
+
+    with _WeightCasts(w.shape) as casts, torch.no_grad():
+        for _ in range(3):  # three regions: one cast
+            with bf16():
+                assert_close(tg.linear(x, w, b), expected(), k=16)
+        assert casts.count == 1 + 3  # (and F.linear's, one a region)
+        for write in (
+            lambda: w.mul_(2.0),  # counted by torch
+            lambda: w.data.mul_(0.5),  # through .data
+            lambda: w.detach().numpy().__imul__(3.0),  # a numpy view made after the cast
+        ):
+            write()
+            with bf16():
+                assert_close(tg.linear(x, w, b), expected(), k=16)
+        assert casts.count == 4 + 3 + 3
+    with bf16():  # with gradients: through the kept cast, to the fp32 weight
+        tg.linear(x, w, b).float().square().sum().backward()
+        got, w.grad = w.grad, None
+        F.linear(x, w, b).float().square().sum().backward()
+    assert got.dtype == torch.float32
+    assert_close(got, w.grad, k=64)
+    with _WeightCasts(w.shape) as casts, torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            for _ in range(2):
+                tg.linear(x, w, b)
+        assert casts.count == 2
+
+    def cast_a_weight_and_drop_it():
+        other = nn.Parameter(randn(6, 16, seed=4))
+        with torch.no_grad(), bf16():
+            tg.linear(x, other, b)
+        return weakref.ref(other), len(autocast._KEPT)
+
+    alive, kept = cast_a_weight_and_drop_it()
+    gc.collect()
+    assert alive() is None and len(autocast._KEPT) == kept - 1
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_autocast_training_step_of_a_converted_model():

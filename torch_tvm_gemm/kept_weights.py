@@ -12,8 +12,9 @@ kept tensors were made from:
   derivation) by a copy-on-write mark on the sources' storage (``_arm``): the first write
   through any alias, or anything that takes a writable pointer, clears it. Nothing is copied:
   no one else shares the buffer, so the writer keeps it;
-- a source replaced by another tensor, by the tensors themselves (held here, so that a
-  replaced one's address cannot come back as another's of the same version).
+- a source replaced by another tensor, by the tensors themselves (weak references: a replaced
+  one that died cannot come back as another's of the same version and address, and what is
+  kept does not keep its sources alive).
 
 A numpy view made before the derivation writes unseen: ``forget()`` (the modules' ``refold()``)
 after writing through one.
@@ -25,7 +26,7 @@ sources: the forward reads them as kept, the backward differentiates the derivat
 
 from __future__ import annotations
 
-import operator
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -39,8 +40,14 @@ class KeptWeights:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._seen: list[Tensor] | None = None
+        self._seen: list[weakref.ref] | None = None
         self.value: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        return {}  # (a copy or a pickle derives again: weak references do not travel)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def get(
         self, sources: list[Tensor], plain: bool, image: tuple, derive: Callable[[], tuple]
@@ -51,7 +58,9 @@ class KeptWeights:
         key = _key(sources, image) if plain else None
         seen = self._seen
         same = (
-            seen is not None and len(seen) == len(sources) and all(map(operator.is_, sources, seen))
+            seen is not None
+            and len(seen) == len(sources)
+            and all(s is r() for s, r in zip(sources, seen, strict=True))
         )
         if key is None or key != self._key or not same:
             with torch.no_grad():
@@ -62,7 +71,7 @@ class KeptWeights:
                 _arm(sources)
                 key = _key(sources, image)
             self.value = value  # (before the key: a thread that sees the key sees it)
-            self._key, self._seen = key, sources
+            self._key, self._seen = key, [weakref.ref(t) for t in sources]
         return self.value
 
     def forget(self) -> None:
