@@ -291,14 +291,18 @@ def test_autocast_keeps_a_weights_cast_while_it_is_unchanged():
         assert casts.count == 2
 
     def cast_a_weight_and_drop_it():
-        other = nn.Parameter(randn(6, 16, seed=4))
+        before = autocast.kept_cast_bytes()
+        other = nn.Parameter(randn(60, 16, seed=4))
         with torch.no_grad(), bf16():
-            tg.linear(x, other, b)
-        return weakref.ref(other), len(autocast._KEPT)
+            tg.linear(x, other)
+        assert autocast.kept_cast_bytes() == before + 60 * 16 * 2  # (its bf16 copy)
+        return weakref.ref(other), before
 
-    alive, kept = cast_a_weight_and_drop_it()
+    alive, before = cast_a_weight_and_drop_it()
     gc.collect()
-    assert alive() is None and len(autocast._KEPT) == kept - 1
+    assert alive() is None and autocast.kept_cast_bytes() == before
+    autocast.clear_kept_casts()
+    assert autocast.kept_cast_bytes() == 0
     assert not torch.is_autocast_enabled("cpu")
 
 

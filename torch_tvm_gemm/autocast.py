@@ -12,9 +12,10 @@ keeps for one region) is cast once and kept, across autocast regions, while it i
 kept cast is a function of the weight). torch casts such a weight once per region and frees
 the copy at the region's end: with a region per call (``with autocast(): model(x)``) that
 is a cast of every weight, in fresh memory, at every forward (BERT-style encoder, batch 1,
-Intel Xeon: half of eager's forward). The kept copies cost half the weights' fp32 memory
-while their weights live; ``torch.autocast(..., cache_enabled=False)`` keeps none (a cast at
-every call, as torch then does). Other arguments, and every argument under torch.compile's
+Intel Xeon: about half of eager's forward). The kept copies cost half the weights' fp32
+memory while their weights live (``kept_cast_bytes()``; ``clear_kept_casts()`` frees them);
+``torch.autocast(..., cache_enabled=False)`` keeps none (a cast at every call, as torch then
+does). Other arguments, and every argument under torch.compile's
 tracing or a torch.func transform, take torch's own cast (with the C++ extension,
 ``at::autocast::cached_cast``; ``Tensor.to`` without it).
 """
@@ -86,6 +87,13 @@ def _forget(key: int) -> None:
     entry = _KEPT.get(key)
     if entry is not None and entry[0]() is None:  # (not a newer weight's at that id)
         del _KEPT[key]
+
+
+def kept_cast_bytes() -> int:
+    """The memory the kept casts hold (bytes)."""
+    return sum(
+        t.numel() * t.element_size() for _, kept in list(_KEPT.values()) for t in kept.value or ()
+    )
 
 
 def clear_kept_casts() -> None:
