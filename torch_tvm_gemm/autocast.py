@@ -15,9 +15,9 @@ is a cast of every weight, in fresh memory, at every forward (BERT-style encoder
 Intel Xeon: about half of eager's forward). The kept copies cost half the weights' fp32
 memory while their weights live (``kept_cast_bytes()``; ``clear_kept_casts()`` frees them);
 ``torch.autocast(..., cache_enabled=False)`` keeps none (a cast at every call, as torch then
-does). Other arguments, and every argument under torch.compile's
-tracing or a torch.func transform, take torch's own cast (with the C++ extension,
-``at::autocast::cached_cast``; ``Tensor.to`` without it).
+does). Other arguments, and every argument under torch.compile's tracing or a torch.func
+transform, take torch's own cast (with the C++ extension, ``at::autocast::cached_cast``;
+``Tensor.to`` without it).
 """
 
 from __future__ import annotations

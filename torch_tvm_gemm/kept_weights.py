@@ -120,8 +120,9 @@ def with_gradient(kept: tuple, sources: tuple, derive_from: Callable[..., tuple]
     """``kept``, what ``derive_from(*sources)`` made (``sources`` may hold None), as outputs of
     an autograd node whose backward is ``derive_from``'s: gradients reach the sources, and the
     forward makes no new tensor. Deriving with autograd at every call instead (a pass over the
-    weight, and one more for a layout copy, in fresh memory each time) made a converted
-    ResNet-50 called outside ``no_grad()`` 0.36-0.59x eager (Intel Xeon, batch 1)."""
+    weight, and one more for a layout copy, in fresh memory each time): a converted ResNet-50
+    called outside ``no_grad()`` read 0.36-0.59x eager, 0.75-0.77x with this (Intel Xeon,
+    batch 1; the rest was the ops' reference cycle, ``func_autograd.py``)."""
     return _Derived.apply(derive_from, kept, *sources)
 
 
