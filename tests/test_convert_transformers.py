@@ -229,6 +229,35 @@ def test_bench_models_cli_runs(tmp_path):
     assert result["median_by_dtype"]["float32"][1] == pytest.approx(min(ratios))
 
 
+@pytest.mark.parametrize("call", ["grad", "autocast"])
+def test_bench_models_calls(tmp_path, monkeypatch, call):
+    """``--call``: every call of both sides made with gradients left on, or in an autocast
+    region of its own under no_grad; the row says which."""
+    import torch
+
+    from torch_tvm_gemm.__main__ import main
+    from torch_tvm_gemm.cli import bench_models
+
+    seen = []
+    build = bench_models.build
+
+    def state(*_):
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+
+    def watched(*args):
+        model, make = build(*args)
+        model.register_forward_pre_hook(state)  # (deep-copied with the model: both sides)
+        return model, make
+
+    monkeypatch.setattr(bench_models, "build", watched)
+    out = tmp_path / "models.json"
+    argv = ["bench-models", "--models", "llama", "--layers", "1", "--seq", "8", "--batch", "1"]
+    assert main([*argv, "--reps", "1", "--rounds", "1", "--call", call, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["call"] == call and row["max_rel_err"] < (1e-4 if call == "grad" else 5e-2)
+    assert len(seen) >= 6 and set(seen) == {(call == "grad", call == "autocast")}
+
+
 def test_bench_models_channels_last(monkeypatch):
     """``--channels-last`` hands the CNN and its pixels over in channels_last, eager too."""
     import torch
@@ -294,7 +323,14 @@ def test_bench_models_alone(tmp_path, monkeypatch):
     assert result["alone_by_dtype"]["all"] == pytest.approx([row["alone_ratio"]] * 2)
 
     args = SimpleNamespace(
-        seq=8, image=32, layers=1, reps=1, rounds=1, threads=None, channels_last=False
+        seq=8,
+        image=32,
+        layers=1,
+        reps=1,
+        rounds=1,
+        threads=None,
+        channels_last=False,
+        call="no_grad",
     )
     with pytest.raises(RuntimeError, match="the eager process for no-such-model"):
         bench_models_alone.time_alone("no-such-model", "float32", 1, args)

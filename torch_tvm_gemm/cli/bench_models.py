@@ -39,6 +39,29 @@ LLAMA_STYLE = dict(
 )
 
 
+def _call_context(call: str):
+    """A new context manager for one call made the ``--call`` way."""
+    import contextlib
+
+    import torch
+
+    if call == "grad":
+        return torch.enable_grad()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    if call == "autocast":
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return stack
+
+
+CALLS = ("no_grad", "grad", "autocast")
+
+
+def _called(call: str, model, inputs: dict):
+    with _call_context(call):
+        return model(**inputs)
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench-models", help="transformers models: eager vs convert(), end to end")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + MORE_MODELS)
@@ -68,6 +91,14 @@ def register(sub) -> None:
         default=0,
         metavar="STEPS",
         help="also time STEPS one-token calls on a KV cache (GPT-2, LLaMA, Mixtral): per token",
+    )
+    p.add_argument(
+        "--call",
+        default="no_grad",
+        choices=list(CALLS),
+        help="how each call is made: under torch.no_grad() (default); with gradients left on "
+        "(an eval-mode model called outside no_grad); or in a torch.autocast(bfloat16) region "
+        "of its own under no_grad (as training frameworks call a model)",
     )
     bench_models_alone.add_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -153,7 +184,7 @@ def run(args) -> int:
         print("bench-models needs transformers: pip install 'torch_tvm_gemm[models]'")
         return 1
     if args.side:
-        return bench_models_alone.run_side(args, build)
+        return bench_models_alone.run_side(args, build, _called)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -164,8 +195,8 @@ def run(args) -> int:
         f"{'median':>6} {'layers':>9} {'max err':>8} {'1st call s':>10}"
     )
     print(
-        f"threads {torch.get_num_threads()}; ratio = eager / converted (above 1: faster), "
-        "best rounds; median: over each side's median round"
+        f"threads {torch.get_num_threads()}; calls: {args.call}; ratio = eager / converted "
+        "(above 1: faster), best rounds; median: over each side's median round"
     )
     extra = f" {'cmp(eager)':>10} {'cmp(conv)':>10}" if args.compile else ""
     extra += f" {'alone ratio':>11}" if args.alone else ""
@@ -183,29 +214,31 @@ def run(args) -> int:
             first_call = None
             for batch in args.batch:
                 inputs = make(batch, args.seq, args.image, dtype)
+                start = time.perf_counter()
+                got = first_tensor(_called(args.call, converted, inputs))
+                call_s = time.perf_counter() - start
+                first_call = call_s if first_call is None else first_call
                 with torch.no_grad():
-                    start = time.perf_counter()
-                    got = first_tensor(converted(**inputs))
-                    call_s = time.perf_counter() - start
-                    first_call = call_s if first_call is None else first_call
-                    want = first_tensor(eager(**inputs))
-                    err = rel_err(got, want)
-                    rounds_conv, rounds_eager = time_rounds(
-                        lambda i=inputs, m=converted: m(**i), lambda i=inputs, m=eager: m(**i), args
+                    err = rel_err(got, first_tensor(_called(args.call, eager, inputs)))
+                rounds_conv, rounds_eager = time_rounds(
+                    lambda i=inputs, m=converted: _called(args.call, m, i),
+                    lambda i=inputs, m=eager: _called(args.call, m, i),
+                    args,
+                )
+                t_conv, t_eager = min(rounds_conv), min(rounds_eager)
+                typical = statistics.median(rounds_eager) / statistics.median(rounds_conv)
+                if args.compile:
+                    c_conv, c_eager = torch.compile(converted), torch.compile(eager)
+                    compiled_rounds = time_rounds(
+                        lambda i=inputs, m=c_conv: _called(args.call, m, i),
+                        lambda i=inputs, m=c_eager: _called(args.call, m, i),
+                        args,
                     )
-                    t_conv, t_eager = min(rounds_conv), min(rounds_eager)
-                    typical = statistics.median(rounds_eager) / statistics.median(rounds_conv)
-                    if args.compile:
-                        c_conv, c_eager = torch.compile(converted), torch.compile(eager)
-                        compiled_rounds = time_rounds(
-                            lambda i=inputs, m=c_conv: m(**i),
-                            lambda i=inputs, m=c_eager: m(**i),
-                            args,
-                        )
-                        t_c_conv, t_c_eager = map(min, compiled_rounds)
+                    t_c_conv, t_c_eager = map(min, compiled_rounds)
                 row = {
                     "model": name,
                     "phase": "prefill",
+                    "call": args.call,
                     "dtype": dtype_name,
                     "batch": batch,
                     "eager_s": t_eager,

@@ -46,7 +46,7 @@ def _child(side: str, name: str, dtype_name: str, batch: int, args) -> float:
     argv = [sys.executable, "-m", "torch_tvm_gemm", "bench-models", "--side", side]
     argv += ["--models", name, "--dtype", dtype_name, "--batch", str(batch)]
     argv += ["--seq", str(args.seq), "--image", str(args.image), "--layers", str(args.layers)]
-    argv += ["--reps", str(args.reps), "--rounds", str(args.rounds)]
+    argv += ["--reps", str(args.reps), "--rounds", str(args.rounds), "--call", args.call]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if args.channels_last:
@@ -61,10 +61,10 @@ def _child(side: str, name: str, dtype_name: str, batch: int, args) -> float:
     return json.loads(lines[-1])["seconds"]
 
 
-def run_side(args, build) -> int:
+def run_side(args, build, called) -> int:
     """The child: one model (``build(name, layers)``: bench_models' maker) on one side, timed
     as ``bench-models`` times it (warm-up call, best of ``--rounds`` rounds of ``--reps``
-    calls); prints ``{"seconds": ...}``."""
+    calls, each ``called(call, model, inputs)``); prints ``{"seconds": ...}``."""
     import torch
 
     import torch_tvm_gemm as tg
@@ -84,9 +84,10 @@ def run_side(args, build) -> int:
     if args.side == "converted":
         tg.convert(model)
     inputs = make(batch, args.seq, args.image, dtype)
-    with torch.no_grad():
-        (seconds,) = time_interleaved(
-            [lambda: model(**inputs)], args.rounds, sample=lambda fn: mean_call(fn, args.reps)
-        )
+    (seconds,) = time_interleaved(
+        [lambda: called(args.call, model, inputs)],
+        args.rounds,
+        sample=lambda fn: mean_call(fn, args.reps),
+    )
     print(json.dumps({"seconds": seconds}))
     return 0
