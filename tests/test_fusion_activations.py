@@ -427,6 +427,36 @@ def test_bn_fold_kept_with_gradients_wanted(monkeypatch, layout):
                 p -= 0.01 * g
 
 
+def test_bn_fold_kept_in_the_autocast_dtype(monkeypatch):
+    """Under autocast the fold is kept in the dtype the op runs in (its autocast kernel would
+    cast it at every call): folded once across regions, again outside autocast; outputs as
+    torch's under autocast, gradients in fp32 on the parameters."""
+    import torch_tvm_gemm.fold as fold
+
+    folds, real_fold = [], fold.fold_conv_bn
+    monkeypatch.setattr(fold, "fold_conv_bn", lambda *a: folds.append(1) or real_fold(*a))
+    conv, bn = nn.Conv2d(8, 16, 3, padding=1), _with_stats(nn.BatchNorm2d(16)).eval()
+    fused = TVMConv2dBN(conv, bn, "relu")
+    x = randn(1, 8, 9, 9)
+    for _ in range(3):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = fused(x), F.relu(bn(conv(x)))
+        assert got.dtype == torch.bfloat16
+        assert_close(got, want, k=72)
+    assert len(folds) == 1 and fused._kept.value[0].dtype == torch.bfloat16
+    with torch.no_grad():
+        assert_close(fused(x), F.relu(bn(conv(x))), k=72)  # (fp32 again: folded again)
+    assert len(folds) == 2
+    grads = []
+    for module in (fused, lambda x: F.relu(bn(conv(x)))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x)
+        grads.append(torch.autograd.grad(y.float().square().sum(), [conv.weight, bn.weight]))
+    for got, want in zip(*grads, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
+
+
 def test_conv_modules_pickled_without_kept_weights_still_run():
     """A fused conv pickled by a version that kept no weights (no ``_kept``) loads and runs."""
     import pickle

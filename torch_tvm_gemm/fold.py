@@ -61,6 +61,24 @@ def _affine(bias, gamma, beta, mean, var, eps: float) -> tuple[Tensor, Tensor]:
     return scale, (bias - mean) * scale + beta
 
 
+def _autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
+    """The dtype the conv op will cast a float ``weight`` to under an active autocast on
+    ``x``'s device (``autocast.py``), or None."""
+    device = x.device.type
+    if (
+        torch.is_autocast_enabled(device)
+        and weight.is_floating_point()
+        and weight.dtype != torch.float64
+    ):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype != weight.dtype else None
+    return None
+
+
+def _cast(tensors: tuple[Tensor, ...], dtype: torch.dtype | None) -> tuple[Tensor, ...]:
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
+
+
 def _fold_when_traced(conv: nn.Conv2d, padding: list[int], x: Tensor) -> bool:
     """Under torch.compile, whether to fold the BN into the weight (a pass over the weight at
     every call: the graph cannot keep a fold) rather than apply it to the conv's output (a
@@ -134,19 +152,24 @@ class TVMConv2dBN(nn.Module):
         if grad and not (plain and gradient_keepable()):
             return fold_conv_bn(conv, bn)  # differentiable, every call
         # (and x's image: its size and memory format pick the route, hence the layout, e.g.
-        # at 7x7 pixels, or channels_last)
-        image = (x.shape[1:], x.dtype, x.is_contiguous())
+        # at 7x7 pixels, or channels_last; and the dtype autocast will run the op in)
+        cast = _autocast_dtype(x, conv.weight)
+        image = (x.shape[1:], x.dtype, x.is_contiguous(), cast)
 
         def fold() -> tuple[Tensor, Tensor]:
             weight, bias = fold_conv_bn(conv, bn)
+            seen = x
+            if cast is not None:  # (the op's autocast kernel would cast the fold every call)
+                weight, bias = weight.to(cast), bias.to(cast)
+                seen = torch.empty_strided(x.shape, x.stride(), dtype=cast)  # (as the op sees x)
             # kept in the layout the op reads in place (the bf16 NHWC convs: channels_last)
-            layout = weight_layout(x, weight, conv.stride, self.padding, conv.dilation,
+            layout = weight_layout(seen, weight, conv.stride, self.padding, conv.dilation,
                                    conv.groups)  # fmt: skip
             return weight.contiguous(memory_format=layout), bias.contiguous()
 
         kept = self._kept.get(tensors, plain, image, fold)
         if grad:  # (the gradient of the layout copy is the fold's: no copy in the backward)
-            return with_gradient(kept, six, lambda *t: _fold(*t, bn.eps))
+            return with_gradient(kept, six, lambda *t: _cast(_fold(*t, bn.eps), cast))
         return kept
 
     def refold(self) -> None:
