@@ -21,7 +21,6 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
@@ -1145,17 +1144,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "What the output pool holds.");
   m.def("release_output_pool", &tvm_gemm::release_output_pool,
         "Return the output pool's kept blocks to the system.");
-  m.def(
-      "autocast_cast",
-      [](const at::Tensor& t, at::ScalarType dtype, const std::string& device_type) {
-        // torch's own cast for autocast: a model's weights (leaf tensors that require grad)
-        // are cast once per autocast region, as for torch's linear / conv, not at every call.
-        return at::autocast::cached_cast(dtype, t, c10::Device(device_type).type());
-      },
-      py::arg("tensor"), py::arg("dtype"), py::arg("device_type"),
-      "tensor cast to dtype as torch.autocast casts the arguments of torch's own ops (its\n"
-      "cast cache included); unchanged where autocast would leave it (float64, another\n"
-      "device).");
   m.def("serial_product", &tvm_gemm::serial_product, py::arg("m"), py::arg("n"), py::arg("k"),
         "Whether an (M, N, K) product's kernel runs on the calling thread, not on the pool.");
   m.def("parallel_launch_address", &tvm_gemm::parallel_launch_address,

@@ -16,8 +16,7 @@ Intel Xeon: about half of eager's forward). The kept copies cost half the weight
 memory while their weights live (``kept_cast_bytes()``; ``clear_kept_casts()`` frees them);
 ``torch.autocast(..., cache_enabled=False)`` keeps none (a cast at every call, as torch then
 does). Other arguments, and every argument under torch.compile's tracing or a torch.func
-transform, take torch's own cast (with the C++ extension, ``at::autocast::cached_cast``;
-``Tensor.to`` without it).
+transform, are cast at each call (``Tensor.to``: torch's cache keeps nothing else either).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import _ext, ops  # noqa: F401 (defines the ops first)
+from . import ops  # noqa: F401 (defines the ops first)
 from .kept_weights import KeptWeights, gradient_keepable, with_gradient
 
 OPS = ("matmul", "linear", "conv2d_bias_relu")
@@ -46,9 +45,6 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     ):
         if value.requires_grad and value.is_leaf and _keeps_cast(value):
             return _kept_cast(value, dtype)
-        ext = _ext.load()
-        if ext is not None:  # (torch's cast, with its cache of a region)
-            return ext.autocast_cast(value, dtype, device_type)
         return value.to(dtype)
     return value
 
