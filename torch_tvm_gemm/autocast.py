@@ -16,7 +16,8 @@ Intel Xeon: about half of eager's forward). The kept copies cost half the weight
 memory while their weights live (``kept_cast_bytes()``; ``clear_kept_casts()`` frees them);
 ``torch.autocast(..., cache_enabled=False)`` keeps none (a cast at every call, as torch then
 does). Other arguments, and every argument under torch.compile's tracing or a torch.func
-transform, are cast at each call (``Tensor.to``: torch's cache keeps nothing else either).
+transform, are cast at each call (``Tensor.to``; of these torch's cache would keep only a
+weight under a transform, for one region).
 """
 
 from __future__ import annotations
