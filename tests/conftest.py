@@ -53,3 +53,27 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int | None = No
 def _fixed_seed():
     torch.manual_seed(0)
     yield
+
+
+class WeightCasts:
+    """Counts the casts (``aten._to_copy``) of tensors of ``shape`` while active."""
+
+    def __init__(self, shape):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._to_copy.default and args[0].shape == shape:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)

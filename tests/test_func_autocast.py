@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, randn
+from conftest import WeightCasts, assert_close, randn
 from torch import nn
 from torch.autograd import forward_ad
 
@@ -219,30 +219,6 @@ def test_autocast_casts_like_torch(impl, dtype):
     assert w.grad.dtype == torch.float32
 
 
-class _WeightCasts:
-    """Counts the casts (``aten._to_copy``) of tensors of ``shape`` while active."""
-
-    def __init__(self, shape):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._to_copy.default and args[0].shape == shape:
-                    counter.count += 1
-                return func(*args, **(kwargs or {}))
-
-        self.count, self.mode = 0, Mode()
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-
-
 def test_autocast_keeps_a_weights_cast_while_it_is_unchanged():
     """Under autocast a weight (a float32 leaf that requires grad) is cast once and the cast
     kept across autocast regions (torch casts it once per region), made again after each kind
@@ -264,7 +240,7 @@ def test_autocast_keeps_a_weights_cast_while_it_is_unchanged():
         with torch.no_grad(), bf16():
             return F.linear(x, w, b)
 
-    with _WeightCasts(w.shape) as casts, torch.no_grad():
+    with WeightCasts(w.shape) as casts, torch.no_grad():
         for _ in range(3):  # three regions: one cast
             with bf16():
                 assert_close(tg.linear(x, w, b), expected(), k=16)
@@ -284,7 +260,7 @@ def test_autocast_keeps_a_weights_cast_while_it_is_unchanged():
         F.linear(x, w, b).float().square().sum().backward()
     assert got.dtype == torch.float32
     assert_close(got, w.grad, k=64)
-    with _WeightCasts(w.shape) as casts, torch.no_grad():
+    with WeightCasts(w.shape) as casts, torch.no_grad():
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
             for _ in range(2):
                 tg.linear(x, w, b)

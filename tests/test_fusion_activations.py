@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, randn
+from conftest import WeightCasts, assert_close, randn
 from torch import nn
 
 import torch_tvm_gemm as tg
@@ -455,6 +455,44 @@ def test_bn_fold_kept_in_the_autocast_dtype(monkeypatch):
     for got, want in zip(*grads, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
+
+
+def test_conv_module_keeps_its_copy_in_the_autocast_dtype():
+    """Under autocast the fused conv's kept channels_last copy (VGG's conv + ReLU in a
+    channels_last region) is kept in the dtype the op runs in, cast once across regions
+    (the op's autocast kernel would cast a copy, not a leaf, at every call), again after a
+    write; outputs as torch's under autocast, the gradient in fp32 on the weight."""
+    conv = nn.Conv2d(32, 64, 3, padding=1)  # (in bf16: read channels_last)
+    fused = TVMConv2dBiasReLU.from_conv(conv)
+    x = randn(1, 32, 9, 9).contiguous(memory_format=torch.channels_last)
+
+    def bf16():  # (a new context each time: an autocast object is not reentrant)
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def check():
+        with bf16():
+            got, want = fused(x), F.relu(conv(x))
+        assert got.dtype == torch.bfloat16
+        assert_close(got, want, k=32 * 9)
+
+    with WeightCasts(conv.weight.shape) as casts, torch.no_grad():
+        for _ in range(3):
+            check()
+        kept = fused._kept.value[0]
+        assert kept.dtype == torch.bfloat16 and kept.is_contiguous(
+            memory_format=torch.channels_last
+        )
+        assert casts.count == 1 + 3  # (and F.conv2d's, one a region)
+        conv.weight.mul_(0.5)
+        check()
+        assert casts.count == 4 + 2
+    grads = []
+    for module in (fused, lambda x: F.relu(conv(x))):
+        with bf16():
+            y = module(x)
+        grads.append(torch.autograd.grad(y.float().square().sum(), conv.weight)[0])
+    assert grads[0].dtype == torch.float32
+    torch.testing.assert_close(*grads, rtol=5e-2, atol=5e-2 * grads[1].abs().max().item())
 
 
 def test_conv_modules_pickled_without_kept_weights_still_run():

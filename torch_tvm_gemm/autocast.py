@@ -98,6 +98,22 @@ def clear_kept_casts() -> None:
     _KEPT.clear()
 
 
+def autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
+    """The dtype the ops' autocast kernel will cast a float ``weight`` to under an active
+    autocast on ``x``'s device, or None. For a module that keeps a copy it derives from its
+    weight (the BN fold, a relaid conv weight): kept in that dtype, else the copy, not a leaf,
+    would be cast at every call."""
+    device = x.device.type
+    if (
+        torch.is_autocast_enabled(device)
+        and weight.is_floating_point()
+        and weight.dtype != torch.float64
+    ):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype != weight.dtype else None
+    return None
+
+
 def _autocast_kernel(name: str, device_type: str, key: str):
     op = getattr(torch.ops.tvm_gemm, name).default
     excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .autocast import autocast_dtype
 from .fusion import CONV_OP, conv_padding, is_frozen_bn
 from .kept_weights import KeptWeights, gradient_keepable, with_gradient
 from .kernels.conv2d import torch_activation
@@ -59,20 +60,6 @@ def _affine(bias, gamma, beta, mean, var, eps: float) -> tuple[Tensor, Tensor]:
     scale = gamma * torch.rsqrt(var + eps)
     bias = bias if bias is not None else torch.zeros_like(mean)
     return scale, (bias - mean) * scale + beta
-
-
-def _autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
-    """The dtype the conv op will cast a float ``weight`` to under an active autocast on
-    ``x``'s device (``autocast.py``), or None."""
-    device = x.device.type
-    if (
-        torch.is_autocast_enabled(device)
-        and weight.is_floating_point()
-        and weight.dtype != torch.float64
-    ):
-        dtype = torch.get_autocast_dtype(device)
-        return dtype if dtype != weight.dtype else None
-    return None
 
 
 def _cast(tensors: tuple[Tensor, ...], dtype: torch.dtype | None) -> tuple[Tensor, ...]:
@@ -153,7 +140,7 @@ class TVMConv2dBN(nn.Module):
             return fold_conv_bn(conv, bn)  # differentiable, every call
         # (and x's image: its size and memory format pick the route, hence the layout, e.g.
         # at 7x7 pixels, or channels_last; and the dtype autocast will run the op in)
-        cast = _autocast_dtype(x, conv.weight)
+        cast = autocast_dtype(x, conv.weight)
         image = (x.shape[1:], x.dtype, x.is_contiguous(), cast)
 
         def fold() -> tuple[Tensor, Tensor]:
