@@ -495,6 +495,33 @@ def test_conv_module_keeps_its_copy_in_the_autocast_dtype():
     torch.testing.assert_close(*grads, rtol=5e-2, atol=5e-2 * grads[1].abs().max().item())
 
 
+def test_kept_bytes_counts_the_kept_copies_by_kind():
+    """``kept_bytes()`` counts each kept copy once a call made it, by kind, not a weight handed
+    to the op as it is, and drops it with its module (a copy or a pickle keeps the kind)."""
+    import copy
+    import gc
+
+    def kept(kind):
+        return tg.kept_bytes().get(kind, 0)
+
+    conv, bn = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32).eval()
+    relaid, folded = TVMConv2dBiasReLU.from_conv(conv), TVMConv2dBN(conv, bn, "relu")
+    x = randn(1, 16, 9, 9)
+    before = {kind: kept(kind) for kind in ("relaid conv weights", "bn folds")}
+    with torch.no_grad():
+        relaid(x)  # (a contiguous input: the weight itself, no copy)
+        assert kept("relaid conv weights") == before["relaid conv weights"]
+        relaid(x.contiguous(memory_format=torch.channels_last))
+        folded(x)
+    weight_bytes = conv.weight.numel() * 4
+    assert kept("relaid conv weights") == before["relaid conv weights"] + weight_bytes
+    assert kept("bn folds") == before["bn folds"] + weight_bytes + 32 * 4  # (and the bias)
+    assert copy.deepcopy(relaid)._kept.kind == "relaid conv weights"
+    del relaid, folded
+    gc.collect()
+    assert {kind: kept(kind) for kind in before} == before
+
+
 def test_conv_modules_pickled_without_kept_weights_still_run():
     """A fused conv pickled by a version that kept no weights (no ``_kept``) loads and runs."""
     import pickle

@@ -23,6 +23,7 @@ from . import ops as _ops  # noqa: F401 (registers torch.ops.tvm_gemm.*)
 from . import vmap_rules as _vmap_rules  # noqa: F401 (torch.vmap over the ops)
 from .fold import TVMConv2dBN
 from .fusion import FusionSummary, TVMConv2dBiasReLU, fuse_conv_bias_relu
+from .kept_weights import kept_bytes
 from .model_convert import ConversionSummary, convert
 from .model_precompile import PrecompileSummary, precompile
 from .nn import TVMConv1D, TVMLinear, swap_linear, unswap_linear
@@ -47,6 +48,7 @@ __all__ += [
     "precompile_specs",
     "output_pool_stats",
     "release_output_pool",
+    "kept_bytes",
 ]
 __version__ = "0.1.0"
 

@@ -13,7 +13,8 @@ kept cast is a function of the weight). torch casts such a weight once per regio
 the copy at the region's end: with a region per call (``with autocast(): model(x)``) that
 is a cast of every weight, in fresh memory, at every forward (BERT-style encoder, batch 1,
 Intel Xeon: about half of eager's forward). The kept copies cost half the weights' fp32
-memory while their weights live (``kept_cast_bytes()``; ``clear_kept_casts()`` frees them);
+memory while their weights live (``torch_tvm_gemm.kept_bytes()["autocast casts"]``;
+``clear_kept_casts()`` frees them);
 ``torch.autocast(..., cache_enabled=False)`` keeps none (a cast at every call, as torch then
 does). Other arguments, and every argument under torch.compile's tracing or a torch.func
 transform, are cast at each call (``Tensor.to``; of these torch's cache would keep only a
@@ -73,7 +74,8 @@ def _kept_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
     key = id(weight)
     entry = _KEPT.get(key)
     if entry is None or entry[0]() is not weight:
-        entry = _KEPT[key] = (weakref.ref(weight, lambda _, key=key: _forget(key)), KeptWeights())
+        forget = weakref.ref(weight, lambda _, key=key: _forget(key))
+        entry = _KEPT[key] = (forget, KeptWeights("autocast casts"))
     (cast,) = entry[1].get([weight], True, (dtype,), lambda: (weight.to(dtype),))
     if torch.is_grad_enabled():  # (the gradient reaches the fp32 weight)
         (cast,) = with_gradient((cast,), (weight,), lambda w: (w.to(dtype),))
@@ -84,13 +86,6 @@ def _forget(key: int) -> None:
     entry = _KEPT.get(key)
     if entry is not None and entry[0]() is None:  # (not a newer weight's at that id)
         del _KEPT[key]
-
-
-def kept_cast_bytes() -> int:
-    """The memory the kept casts hold (bytes)."""
-    return sum(
-        t.numel() * t.element_size() for _, kept in list(_KEPT.values()) for t in kept.value or ()
-    )
 
 
 def clear_kept_casts() -> None:

@@ -46,7 +46,7 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         super().__init__(*args, **kwargs)
         self.activation = _activation(relu, activation)
         self._op_padding = self._checked_padding()
-        self._kept = KeptWeights()
+        self._kept = KeptWeights("relaid conv weights")
 
     @property
     def relu(self) -> bool:
@@ -89,7 +89,7 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         new.weight, new.bias = conv.weight, conv.bias
         new.activation = _activation(relu, activation)
         new._op_padding = new._checked_padding()
-        new._kept = KeptWeights()
+        new._kept = KeptWeights("relaid conv weights")
         new.train(conv.training)
         return new
 
@@ -100,7 +100,8 @@ class TVMConv2dBiasReLU(nn.Conv2d):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_kept", KeptWeights())  # (a module pickled before it had one)
+        # (a module pickled before it had one)
+        self.__dict__.setdefault("_kept", KeptWeights("relaid conv weights"))
 
     def _op_weight(self, x: Tensor) -> Tensor:
         """The weight as the op reads it in place. Measured (VGG-11 converted, 224 x 224,

@@ -104,7 +104,8 @@ class TVMConv2dBN(nn.Module):
         self.activation = activation
         self.padding = list(padding)
         self.frozen = is_frozen_bn(bn)  # (eval-mode BN in training mode too: always folded)
-        self._kept = KeptWeights()  # the fold, while the six tensors stay as they were
+        # the fold, while the six tensors stay as they were
+        self._kept = KeptWeights("bn folds")
 
     @property
     def relu(self) -> bool:
@@ -166,7 +167,8 @@ class TVMConv2dBN(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_kept", KeptWeights())  # (a module pickled before it had one)
+        # (a module pickled before it had one)
+        self.__dict__.setdefault("_kept", KeptWeights("bn folds"))
 
     def forward(self, x: Tensor) -> Tensor:
         conv, bn = self.sources

@@ -19,6 +19,8 @@ kept tensors were made from:
 A numpy view made before the derivation writes unseen: ``forget()`` (the modules' ``refold()``)
 after writing through one.
 
+What the kept tensors hold in memory, by kind, is ``kept_bytes()`` (``torch_tvm_gemm.kept_bytes``).
+
 With gradients wanted (a model in eval mode called outside ``torch.no_grad()``, or a frozen BN
 fine-tuned), ``with_gradient`` hands the kept tensors to autograd as a function of their
 sources: the forward reads them as kept, the backward differentiates the derivation.
@@ -36,18 +38,27 @@ from torch.autograd import forward_ad
 
 class KeptWeights:
     """The tensors ``derive()`` made from ``sources`` for inputs of one ``image``, kept while
-    neither changes."""
+    neither changes. ``kind`` names them in ``kept_bytes()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
         self._key: tuple | None = None
         self._seen: list[weakref.ref] | None = None
         self.value: tuple | None = None
+        _ALL.add(self)
 
     def __getstate__(self) -> dict:
-        return {}  # (a copy or a pickle derives again: weak references do not travel)
+        # (a copy or a pickle derives again: weak references do not travel)
+        return {"kind": self.kind}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__(state.get("kind", "kept weights"))
+
+    def nbytes(self) -> int:
+        """The memory of the kept tensors that are copies (not a source handed on as it is)."""
+        value, seen = self.value or (), [r() for r in self._seen or ()]
+        copies = [t for t in value if t is not None and not any(t is s for s in seen)]
+        return sum(t.numel() * t.element_size() for t in copies)
 
     def get(
         self, sources: list[Tensor], plain: bool, image: tuple, derive: Callable[[], tuple]
@@ -77,6 +88,22 @@ class KeptWeights:
     def forget(self) -> None:
         """Derive again at the next call."""
         self._key = self._seen = self.value = None
+
+
+# Every KeptWeights alive, for kept_bytes() (a weak set: it keeps none alive)
+_ALL: weakref.WeakSet[KeptWeights] = weakref.WeakSet()
+
+
+def kept_bytes() -> dict[str, int]:
+    """The memory that the copies the TVM modules keep between calls hold now, in bytes, by
+    kind: ``"bn folds"`` (``TVMConv2dBN``), ``"relaid conv weights"`` (``TVMConv2dBiasReLU``
+    reading a weight in another memory format) and ``"autocast casts"`` (weights' casts kept
+    across autocast regions). Each is freed with its module or weight, and made only where a
+    call needs it."""
+    found: dict[str, int] = {}
+    for kept in list(_ALL):
+        found[kept.kind] = found.get(kept.kind, 0) + kept.nbytes()
+    return found
 
 
 def _key(tensors: list[Tensor], image: tuple) -> tuple | None:
