@@ -112,6 +112,86 @@ def test_tvmlinear_repr_and_training():
     assert losses[-1] < losses[0]
 
 
+class _OpCalls:
+    """Counts the calls of each tvm_gemm op while active."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls = self.calls = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "tvm_gemm":
+                    name = func.overloadpacket.__name__
+                    calls[name] = calls.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self.calls
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
+def test_training_keeps_the_pre_activation_instead_of_recomputing_it(kind, activation):
+    """In training with gradients wanted, a GELU / SiLU linear runs its activation as a torch
+    op after the product, which keeps the pre-activation for the backward: one product in the
+    forward and none again in the backward (the fused kernel's backward recomputes it, as it
+    still does in eval mode). Gradients as torch's either way; ReLU stays fused."""
+    torch.manual_seed(0)
+    reference = nn.Linear(12, 20)
+    layer = TVMLinear.from_linear(reference, activation)
+    weight = reference.weight
+    if kind == "conv1d":  # (transformers' Conv1D layout: the weight stored (in, out))
+        from torch_tvm_gemm import TVMConv1D
+
+        layer = TVMConv1D(20, 12, activation)
+        with torch.no_grad():
+            layer.weight.copy_(reference.weight.t())
+            layer.bias.copy_(reference.bias)
+        weight = layer.weight
+    act = tg.nn.activation_module(activation)
+    x = randn(6, 12).requires_grad_()
+    for training in (True, False):
+        layer.train(training)
+        with _OpCalls() as calls:
+            y = layer(x)
+            grads = torch.autograd.grad(y.square().sum(), [x, weight, layer.bias])
+        # (the product in the forward, dX in the backward, and the product again where GELU
+        # / SiLU was fused; dW a matmul)
+        recomputed = not training and activation != "relu"
+        assert calls == {"linear": 2 + recomputed, "matmul": 1}
+        want_y = act(reference(x))
+        wants = torch.autograd.grad(want_y.square().sum(), [x, reference.weight, reference.bias])
+        assert_close(y, want_y, 12)
+        grads = (grads[0], grads[1].t() if kind == "conv1d" else grads[1], grads[2])
+        for got, want in zip(grads, wants, strict=True):
+            assert_close(got, want, 64)
+
+
+def test_conv1d_weight_gradient_in_the_weights_layout():
+    """transformers' Conv1D stores its weight (in, out): the gradient is made in that layout
+    (accumulating a transposed one into ``.grad`` walked it across the strides), equal to
+    torch's."""
+    from torch_tvm_gemm import TVMConv1D
+
+    layer = TVMConv1D(24, 16)
+    strides = []
+    layer.weight.register_hook(lambda grad: strides.append(grad.stride()))
+    x = randn(2, 5, 16)
+    for _ in range(2):  # (the second accumulates into .grad)
+        layer(x).square().sum().backward()
+    want = torch.autograd.grad(2 * (x @ layer.weight + layer.bias).square().sum(), layer.weight)[0]
+    assert strides[:2] == [layer.weight.stride()] * 2  # (as it reaches the parameter)
+    assert_close(layer.weight.grad, want, 32)
+
+
 @pytest.mark.parametrize("swap", ["swap_linear", "convert"])
 def test_hooks_registered_before_the_swap_still_run(swap):
     """A swapped layer takes over the original's hooks (a pre-hook that changes the input,

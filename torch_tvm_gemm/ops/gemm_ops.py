@@ -367,6 +367,8 @@ def _linear_setup(ctx, inputs, output) -> None:
     ctx.activation = activation
     ctx.has_bias = bias is not None
     ctx.x_shape = x.shape
+    # (a weight stored (in, out), read as its transpose: transformers' Conv1D)
+    ctx.weight_kn = not weight.is_contiguous() and weight.t().is_contiguous()
     need_x, need_w = ctx.needs_input_grad[:2]
     # Only what the backward needs is kept (an inference tensor cannot be saved at all, and
     # torch accepts one where it is not needed). relu's derivative needs only the output;
@@ -397,12 +399,21 @@ def _linear_backward(ctx, grad: Tensor):
         z = torch.ops.tvm_gemm.linear(x, weight, bias, "none")
         grad = _PRE_ACTIVATION_GRADS[ctx.activation](grad, z)
     grad2 = rows(grad)
-    mm = torch.ops.tvm_gemm.matmul
     grad_x = grad_w = grad_b = None
-    if ctx.needs_input_grad[0]:  # dX = dZ @ W
-        grad_x = mm(grad2, weight).reshape(ctx.x_shape)
-    if ctx.needs_input_grad[1]:  # dW = dZ^T @ X
-        grad_w = mm(grad2.t(), rows(x))
+    if ctx.needs_input_grad[0]:
+        # dX = dZ @ W: a linear over W^T, W read in place; its K (the weight's rows) is fixed,
+        # as in the forward, where a matmul's is symbolic (GPT-2's lm_head, K = 50257: 101 ms
+        # as a matmul, where torch's mm took 40)
+        grad_x = torch.ops.tvm_gemm.linear(grad2, weight.t(), None, "none").reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        mm = torch.ops.tvm_gemm.matmul
+        if ctx.weight_kn:
+            # (its gradient made in the layout the weight is stored in, dW^T = X^T @ dZ: as
+            # dZ^T @ X its transpose reached the parameter, and adding it into .grad across
+            # the strides took 8 ms a step for GPT-2's 768 x 3072)
+            grad_w = mm(rows(x).t(), grad2).t()
+        else:  # dW = dZ^T @ X
+            grad_w = mm(grad2.t(), rows(x))
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = grad2.sum(0)
     return grad_x, grad_w, grad_b, None
