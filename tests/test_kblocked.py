@@ -174,10 +174,33 @@ def test_kn_rule_takes_wide_tasks_the_cores_share_evenly():
     assert width(768, 3072, layout="nk") is None and width(768, 3072, dtype="float64") is None
     assert width(768, 3072, bias=True, bias_axis="m") is None  # a 1x1 conv's GEMM
     assert k_chunk(GemmSpec("float32", 768, 3072, "kn"), two) == KN_CHUNK
-    assert k_chunk(GemmSpec("float32", 768, 1000, "kn"), two) in range(KN_CHUNK // 2, KN_CHUNK + 1)
+    # (a "kn" chunk has no vectors along K: one that divides K where one does, else padded)
+    assert k_chunk(GemmSpec("float32", 768, 1000, "kn"), two) == 250
+    assert k_chunk(GemmSpec("float32", 768, 1376, "kn"), two) == 172  # (LLaMA-style dX)
+    assert k_chunk(GemmSpec("float32", 768, 1009, "kn"), two) in range(
+        KN_CHUNK // 2, KN_CHUNK + 1, 16
+    )
 
 
-@pytest.mark.parametrize("k", [768, 1000], ids=["whole-chunks", "padded"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_padded_chunks_keep_an_inf_in_its_row(layout):
+    # Where the chunks pad K, A is copied into tiles with zeros past K: the last column of x
+    # holding an inf makes its row infinite, never a NaN, and no other row changes.
+    k, n = (1009, 768) if layout == "kn" else (K_ODD, 70)  # ("kn": chunked in whole panels)
+    s = GemmSpec("float32", n, k, layout)
+    assert k % k_chunk(s, CPU) != 0  # (padded)
+    x, w = randn(40, k), randn(n, k)
+    x[3, -1] = float("inf")
+    out = torch.full((40, n), float("nan"))
+    get_kernel(s)(x, w if layout == "nk" else w.t().contiguous(), out)
+    expected = reference(x, w, None, "none")
+    assert not torch.isnan(out).any() and torch.isinf(out[3]).all()
+    rows = torch.arange(40) != 3
+    assert_close(out[rows], expected[rows], k)
+    assert torch.equal(out[3], expected[3].float())
+
+
+@pytest.mark.parametrize("k", [768, 1000, 1009], ids=["whole-vectors", "chunks-of-250", "padded"])
 @pytest.mark.parametrize("m", [1, 7, 33, 127, 513])
 def test_kn_linear_in_wide_tasks(k, m):
     # GPT-2's Conv1D layout: the packed kernel called directly at every M (the op picks
