@@ -78,7 +78,10 @@ def _kept_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
         entry = _KEPT[key] = (forget, KeptWeights("autocast casts"))
     (cast,) = entry[1].get([weight], True, (dtype,), lambda: (weight.to(dtype),))
     if torch.is_grad_enabled():  # (the gradient reaches the fp32 weight)
-        (cast,) = with_gradient((cast,), (weight,), lambda w: (w.to(dtype),))
+        source_dtype = weight.dtype  # (the backward's cast: the weight's own dtype)
+        (cast,) = with_gradient(
+            (cast,), (weight,), lambda w: (w.to(dtype),), lambda g: (g.to(source_dtype),)
+        )
     return cast
 
 

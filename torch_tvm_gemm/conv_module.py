@@ -135,7 +135,8 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         plain = self._parameters.get("weight") is weight
         kept = self._kept.get([weight], plain, image, relayout)
         if grad and kept[0] is not weight:  # (the copy's gradient is the weight's)
-            return with_gradient(kept, (weight,), lambda w: (w.to(cast or w.dtype),))[0]
+            derive, source_dtype = (lambda w: (w.to(cast or w.dtype),)), weight.dtype
+            return with_gradient(kept, (weight,), derive, lambda g: (g.to(source_dtype),))[0]
         return kept[0]
 
     def forward(self, x: Tensor) -> Tensor:

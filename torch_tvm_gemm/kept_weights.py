@@ -143,14 +143,24 @@ def _arm(tensors: list[Tensor]) -> None:
             continue
 
 
-def with_gradient(kept: tuple, sources: tuple, derive_from: Callable[..., tuple]) -> tuple:
+def with_gradient(
+    kept: tuple,
+    sources: tuple,
+    derive_from: Callable[..., tuple],
+    vjp: Callable[..., tuple] | None = None,
+) -> tuple:
     """``kept``, what ``derive_from(*sources)`` made (``sources`` may hold None), as outputs of
     an autograd node whose backward is ``derive_from``'s: gradients reach the sources, and the
     forward makes no new tensor. Deriving with autograd at every call instead (a pass over the
     weight, and one more for a layout copy, in fresh memory each time): a converted ResNet-50
     called outside ``no_grad()`` read 0.36-0.59x eager, 0.75-0.77x with this (Intel Xeon,
-    batch 1; the rest was the ops' reference cycle, ``func_autograd.py``)."""
-    return _Derived.apply(derive_from, kept, *sources)
+    batch 1; the rest was the ops' reference cycle, ``func_autograd.py``).
+
+    ``vjp(*grads)``, the sources' gradients, where the derivation is one whose backward is
+    that simple (a cast, a layout copy): the backward then neither derives again nor runs
+    autograd over it (a LLaMA-style training step under autocast: 2 such backward passes a
+    weight)."""
+    return _Derived.apply(derive_from, vjp, kept, *sources)
 
 
 def gradient_keepable() -> bool:
@@ -162,15 +172,18 @@ def gradient_keepable() -> bool:
 
 class _Derived(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, derive_from, kept, *sources):
-        ctx.derive_from = derive_from
-        ctx.save_for_backward(*sources)
+    def forward(ctx, derive_from, vjp, kept, *sources):
+        ctx.derive_from, ctx.vjp = derive_from, vjp
+        if vjp is None:
+            ctx.save_for_backward(*sources)
         return tuple(t.detach() for t in kept)  # (new tensors on the kept buffers)
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.vjp is not None:
+            return (None, None, None, *ctx.vjp(*grads))
         sources = ctx.saved_tensors
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
         with torch.enable_grad():  # (derived again: the backward's one pass over the weight)
             derived = ctx.derive_from(*sources)
         pairs = [(d, g) for d, g in zip(derived, grads, strict=True) if d.requires_grad]
@@ -184,4 +197,4 @@ class _Derived(torch.autograd.Function):
         result = [None] * len(sources)
         for i, g in zip(wanted, found, strict=True):
             result[i] = g
-        return (None, None, *result)
+        return (None, None, None, *result)
