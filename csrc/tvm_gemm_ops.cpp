@@ -44,6 +44,7 @@
 
 #include "output_pool.h"
 #include "parallel_launch.h"
+#include "transposed_copy.h"
 
 namespace py = pybind11;
 
@@ -465,7 +466,8 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, bool b_nk,
 
   // Contiguous (expect_contiguous borrows when it already is: no refcount traffic) and, like
   // ops/gemm_ops.py aligned(), starting on the kernel alignment, else an aligned copy.
-  const at::Tensor ac = aligned(*a.expect_contiguous());
+  const at::Tensor ac =
+      is_transposed_contiguous(a) ? aligned(transposed_copy(a)) : aligned(*a.expect_contiguous());
   const at::Tensor bc = aligned(*b.expect_contiguous());
   // The output: fresh, or a slice of a fresh batch that may start off the boundary.
   const bool out_aligned = is_aligned(result);

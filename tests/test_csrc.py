@@ -75,6 +75,20 @@ def test_matmul_layouts(impl):
     assert out3.shape == (4, 4, 6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(70, 33), (1100, 600), (2, 40)], ids=str)
+def test_transposed_a_copied_to_rows(impl, dtype, shape):
+    """A transposed a (a backward's dZ.t()) is copied to rows (C++: by blocks, on torch's
+    threads, into the pool past 2 MB): sizes off the blocks, every element size, and the
+    same bits as a contiguous a."""
+    rows, cols = shape
+    a = randn(cols, rows, dtype=dtype).t()  # (rows, cols), the transpose of a contiguous matrix
+    b = randn(cols, 9, dtype=dtype)
+    out = mm(a, b)
+    assert torch.equal(out, mm(a.contiguous(), b))
+    assert_close(out, a.double() @ b.double(), k=cols)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_matmul_dtypes(impl, dtype):
     a, b = randn(9, 33, dtype=dtype), randn(33, 7, dtype=dtype)
