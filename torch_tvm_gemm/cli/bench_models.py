@@ -45,7 +45,7 @@ def _call_context(call: str):
 
     import torch
 
-    if call == "grad":
+    if call in ("grad", "train"):
         return torch.enable_grad()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.no_grad())
@@ -54,12 +54,17 @@ def _call_context(call: str):
     return stack
 
 
-CALLS = ("no_grad", "grad", "autocast")
+CALLS = ("no_grad", "grad", "autocast", "train")
 
 
 def _called(call: str, model, inputs: dict):
     with _call_context(call):
-        return model(**inputs)
+        if call != "train":
+            return model(**inputs)
+        model.zero_grad(set_to_none=True)  # (as a training loop's optimizer.zero_grad())
+        output = model(**inputs)
+        first_tensor(output).float().square().mean().backward()
+        return output
 
 
 def register(sub) -> None:
@@ -97,8 +102,9 @@ def register(sub) -> None:
         default="no_grad",
         choices=list(CALLS),
         help="how each call is made: under torch.no_grad() (default); with gradients left on "
-        "(an eval-mode model called outside no_grad); or in a torch.autocast(bfloat16) region "
-        "of its own under no_grad (as training frameworks call a model)",
+        "(an eval-mode model called outside no_grad); in a torch.autocast(bfloat16) region "
+        "of its own under no_grad (as training frameworks call a model); or as a training "
+        "step (train mode, forward and backward of a squared mean, grads reset each step)",
     )
     bench_models_alone.add_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -205,8 +211,8 @@ def run(args) -> int:
         for dtype_name in args.dtype:
             dtype = getattr(torch, dtype_name)
             eager, make = build(name, args.layers, args.channels_last)
-            eager = eager.to(dtype)
-            converted = copy.deepcopy(eager)
+            eager = eager.to(dtype).train(args.call == "train")
+            converted = copy.deepcopy(eager)  # (converted in the mode it runs in)
             start = time.perf_counter()
             tg.convert(converted)
             convert_s = time.perf_counter() - start
@@ -214,10 +220,12 @@ def run(args) -> int:
             first_call = None
             for batch in args.batch:
                 inputs = make(batch, args.seq, args.image, dtype)
+                torch.manual_seed(0)  # (in train mode: both sides draw the same dropout)
                 start = time.perf_counter()
                 got = first_tensor(_called(args.call, converted, inputs))
                 call_s = time.perf_counter() - start
                 first_call = call_s if first_call is None else first_call
+                torch.manual_seed(0)
                 with torch.no_grad():
                     err = rel_err(got, first_tensor(_called(args.call, eager, inputs)))
                 rounds_conv, rounds_eager = time_rounds(

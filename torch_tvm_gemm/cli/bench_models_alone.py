@@ -80,7 +80,7 @@ def run_side(args, build, called) -> int:
     (name,), (dtype_name,), (batch,) = args.models, args.dtype, args.batch
     dtype = getattr(torch, dtype_name)
     model, make = build(name, args.layers, args.channels_last)
-    model = model.to(dtype)
+    model = model.to(dtype).train(args.call == "train")
     if args.side == "converted":
         tg.convert(model)
     inputs = make(batch, args.seq, args.image, dtype)
