@@ -26,10 +26,9 @@ from torch.autograd import forward_ad
 _LIB = torch.library.Library("tvm_gemm", "IMPL")  # noqa: TOR901 (Autograd kernels only)
 
 
-def _with_defaults(schema, args: tuple) -> tuple:
-    """``args`` with the trailing arguments the dispatcher leaves out (at their defaults)."""
-    missing = schema.arguments[len(args) :]
-    return (*args, *(a.default_value for a in missing))
+def _defaults(schema) -> tuple:
+    """Each argument's default value (None where it has none), in the schema's order."""
+    return tuple(a.default_value for a in schema.arguments)
 
 
 def _has_tangent(args) -> bool:
@@ -62,7 +61,8 @@ def register_function_autograd(
     """Register ``backward`` / ``setup_context`` (``register_autograd``'s signatures) and
     ``jvp(ctx, inputs, output, *tangents)`` as the Autograd kernel of ``tvm_gemm::<name>``."""
     op = getattr(torch.ops.tvm_gemm, name).default
-    schema = op._schema
+    # (read once: the schema's argument list is built anew at each access, ~1 us a call)
+    defaults = _defaults(op._schema)
 
     class Function(torch.autograd.Function):
         @staticmethod
@@ -97,7 +97,8 @@ def register_function_autograd(
             isinstance(a, Tensor) and a.requires_grad for a in args
         )
         if needs_grad or _has_tangent(args):
-            return _apply(Function, *_with_defaults(schema, args))
+            # (with the trailing arguments the dispatcher leaves out, at their defaults)
+            return _apply(Function, *args, *defaults[len(args) :])
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
