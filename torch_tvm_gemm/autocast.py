@@ -79,9 +79,7 @@ def _kept_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
     (cast,) = entry[1].get([weight], True, (dtype,), lambda: (weight.to(dtype),))
     if torch.is_grad_enabled():  # (the gradient reaches the fp32 weight)
         source_dtype = weight.dtype  # (the backward's cast: the weight's own dtype)
-        (cast,) = with_gradient(
-            (cast,), (weight,), lambda w: (w.to(dtype),), lambda g: (g.to(source_dtype),)
-        )
+        (cast,) = with_gradient((cast,), (weight,), vjp=lambda g: (g.to(source_dtype),))
     return cast
 
 

@@ -135,8 +135,8 @@ class TVMConv2dBiasReLU(nn.Conv2d):
         plain = self._parameters.get("weight") is weight
         kept = self._kept.get([weight], plain, image, relayout)
         if grad and kept[0] is not weight:  # (the copy's gradient is the weight's)
-            derive, source_dtype = (lambda w: (w.to(cast or w.dtype),)), weight.dtype
-            return with_gradient(kept, (weight,), derive, lambda g: (g.to(source_dtype),))[0]
+            source_dtype = weight.dtype  # (the gradient of a cast, a layout copy: cast back)
+            return with_gradient(kept, (weight,), vjp=lambda g: (g.to(source_dtype),))[0]
         return kept[0]
 
     def forward(self, x: Tensor) -> Tensor:

@@ -146,7 +146,7 @@ def _arm(tensors: list[Tensor]) -> None:
 def with_gradient(
     kept: tuple,
     sources: tuple,
-    derive_from: Callable[..., tuple],
+    derive_from: Callable[..., tuple] | None = None,
     vjp: Callable[..., tuple] | None = None,
 ) -> tuple:
     """``kept``, what ``derive_from(*sources)`` made (``sources`` may hold None), as outputs of
@@ -156,10 +156,12 @@ def with_gradient(
     called outside ``no_grad()`` read 0.36-0.59x eager, 0.75-0.77x with this (Intel Xeon,
     batch 1; the rest was the ops' reference cycle, ``func_autograd.py``).
 
-    ``vjp(*grads)``, the sources' gradients, where the derivation is one whose backward is
-    that simple (a cast, a layout copy): the backward then neither derives again nor runs
-    autograd over it (a LLaMA-style training step under autocast: 2 such backward passes a
-    weight)."""
+    Instead of ``derive_from``, ``vjp(*grads)``, the sources' gradients, where the derivation
+    is one whose backward is that simple (a cast, a layout copy): the backward then neither
+    derives again nor runs autograd over it (a LLaMA-style training step under autocast: 2
+    such backward passes a weight)."""
+    if (derive_from is None) == (vjp is None):
+        raise TypeError("with_gradient: give derive_from or vjp, one of them")
     return _Derived.apply(derive_from, vjp, kept, *sources)
 
 
