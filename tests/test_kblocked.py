@@ -88,6 +88,18 @@ def test_several_panels_per_task_and_large_m(n, layout):
     assert_close(tg.linear(x, weight, None), reference(x, w, None, "none"), K_EXACT)
 
 
+@pytest.mark.parametrize("m", [7, 513])
+def test_kn_last_panel_of_whole_vectors(m):
+    # N = 1040: 16 panels of 64 and one of 16 vectors' worth padded to 64, its padded columns
+    # clamped by vectors (schedules/cpu.py column_granule) and never stored.
+    s = GemmSpec("float32", 1040, K_EXACT, "kn", bias=True, activation="relu")
+    assert k_chunk(s, CPU) is not None
+    x, w, b = randn(m, K_EXACT), randn(1040, K_EXACT), randn(1040)
+    out = torch.full((m, 1040), float("nan"))
+    get_kernel(s)(x, w.t().contiguous(), b, out)  # (the packed kernel at any M)
+    assert_close(out, reference(x, w, b, "relu"), K_EXACT)
+
+
 def test_relu_keeps_nan_and_applies_once():
     # The partial sums of the first chunks are negative, the total positive: a relu applied
     # per chunk would clamp them. A NaN in a row of x stays a NaN in that row only.

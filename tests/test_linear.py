@@ -37,6 +37,27 @@ def test_linear(m, k, n, act, has_bias, dtype):
     assert_close(out, reference(x, w, b, act), k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("m", [1, 7, 33, 127, 513])
+def test_kn_weight_of_whole_vectors_but_not_whole_panels(m, dtype):
+    """A "kn" weight (a Conv1D's) whose N is whole vectors but not whole panels: the last
+    panel's padded columns clamp by vectors (``column_granule``) and are never stored. The
+    packed kernel called directly at every M, and the op (which picks by M)."""
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.runtime.table import get_kernel
+
+    n, k = 80, 40
+    spec = GemmSpec(str(dtype).removeprefix("torch."), n, k, "kn", bias=True, activation="relu")
+    _, nr, vec = cpu_schedules.register_tile(spec, host_cpu())
+    assert n % nr and cpu_schedules.column_granule(spec, nr, vec) == vec
+    x, w, b = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype), randn(n, dtype=dtype)
+    want = reference(x, w, b, "relu")
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    get_kernel(spec)(x, w.t().contiguous(), b, out)
+    assert_close(out, want, k)
+    assert_close(tg.linear(x, w.t().contiguous().t(), b, "relu"), want, k)
+
+
 @pytest.mark.parametrize("m", [4, 40], ids=["dot", "gemm"])
 @pytest.mark.parametrize("act", ACTIVATIONS)
 def test_epilogue_accuracy_over_a_wide_range(act, m):

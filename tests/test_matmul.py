@@ -93,7 +93,7 @@ def test_matmul_batched(shape_a, shape_b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,k,n", [(1, 33, 5), (17, 64, 70), (33, 7, 130)])
+@pytest.mark.parametrize("m,k,n", [(1, 33, 5), (17, 64, 70), (33, 7, 130), (9, 40, 80)])
 def test_batched_matmul_is_one_kernel(m, k, n, dtype):
     # A batch of products is one batched kernel (the batch a parallel axis), for B given
     # as (batch, K, N) and as a batch of transposed matrices (attention's K^T), read in place.

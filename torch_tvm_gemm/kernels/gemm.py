@@ -163,9 +163,10 @@ def gemm_compute(
     ``k_pad`` > 1 rounds K up too, the padded columns of A and rows of B reading as zero
     (tensor-core tiles need whole K steps; a zero adds nothing to the sum).
 
-    ``granule`` (a divisor of K and N) makes the clamps and K tests along a contiguous axis
-    act on whole groups of ``granule`` elements, so that a vectorized copy of a group stays
-    one contiguous (16-byte, ``cp.async``) load: ``min(j, N - 1)`` would make it a gather.
+    ``granule`` (a divisor of N, and of K where K is padded) makes the clamps and K tests
+    along a contiguous axis act on whole groups of ``granule`` elements, so that a vectorized
+    copy of a group stays one contiguous load (a 16-byte ``cp.async``, a CPU vector):
+    ``min(j, N - 1)`` would make it a gather (``padded_column``).
 
     Stages: "A_pad" / "B_pad" give the operands in ``operand_dtype`` (default: the
     accumulation dtype) on the padded domain (the schedule inlines them or turns them into
@@ -197,10 +198,8 @@ def gemm_compute(
     def row(i):  # padded row -> a real one (its result is discarded)
         return te.min(i, M - 1) if m_pad > 1 else i
 
-    def col(j):  # padded column -> a real one; per group of g (N % g == 0)
-        if Np.value == N.value:
-            return j
-        return te.min(j // g, (N - 1) // g) * g + j % g if g > 1 else te.min(j, N - 1)
+    def col(j):
+        return padded_column(j, N, Np, g)
 
     k_padded = k_pad > 1 and not (spec.k is not None and spec.k % k_pad == 0)
 
@@ -226,6 +225,23 @@ def gemm_compute(
     )
 
     return epilogue_func(spec, A, B, bias, acc_t, M, N, padded_epilogue)
+
+
+def padded_column(j, n, n_padded, granule: int = 1):
+    """Column ``j`` of the padded domain -> a real column of B (a padded column's result is
+    discarded): ``min(j, N - 1)``, or with ``granule`` (a divisor of N) by whole groups of
+    that many columns. Clamped value by value, the column of a copy vectorized along N
+    depends on the lane, and LLVM copies such a vector one value at a time: the CPU packed
+    kernel's copy of every panel of a "kn" B, where N is whole vectors but not whole panels
+    (N = 1376 in panels of 64, M = 128, 2 threads, Intel Xeon: 0.75x torch.mm; by vectors
+    0.93x; ``schedules/cpu.py`` ``column_granule``)."""
+    from tvm import te
+
+    if getattr(n_padded, "value", n_padded) == getattr(n, "value", n):
+        return j
+    if granule > 1:
+        return te.min(j // granule, (n - 1) // granule) * granule + j % granule
+    return te.min(j, n - 1)
 
 
 def epilogue_func(spec: GemmSpec, A, B, bias, acc_t, M, N, padded: bool = False):
@@ -257,9 +273,10 @@ def epilogue_func(spec: GemmSpec, A, B, bias, acc_t, M, N, padded: bool = False)
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
-def batched_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int):
+def batched_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int, granule: int = 1):
     """The unscheduled PrimFunc ``main(A, B, out)`` of a batched ``spec``: per batch entry the
-    stages of ``gemm_compute`` ("A_pad", "B_pad", "acc", "out"), M and N padded the same way."""
+    stages of ``gemm_compute`` ("A_pad", "B_pad", "acc", "out"), M and N padded the same way
+    (``granule``: as there)."""
     from tvm import te, tirx
 
     acc = spec.acc_dtype
@@ -274,7 +291,7 @@ def batched_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int):
     B = te.placeholder((batch, N, K) if nk else (batch, K, N), spec.dtype, name="B")
 
     def col(j):
-        return j if Np.value == N.value else te.min(j, N - 1)
+        return padded_column(j, N, Np, granule)
 
     a_op = te.compute(
         (batch, Mp, K), lambda b, i, k: A[b, te.min(i, M - 1), k].astype(acc), name="A_pad"

@@ -11,14 +11,15 @@ reading as zero (A and B both: a zero times an inf would be a NaN).
 
 from __future__ import annotations
 
-from .gemm import GemmSpec, epilogue_func
+from .gemm import GemmSpec, epilogue_func, padded_column
 
 
-def kblocked_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int, kc: int):
+def kblocked_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int, kc: int, granule: int = 1):
     """The unscheduled PrimFunc ``main(A, B, [bias,] out)`` of ``spec`` in chunks of ``kc``.
 
     Stages: "A_pad" / "B_pad" (operands in the accumulation dtype, M and N padded to the
-    register tile as in ``gemm_compute``, K to whole chunks), "partial", "acc", "out"."""
+    register tile as in ``gemm_compute``, padded columns clamped by ``granule``, K to whole
+    chunks), "partial", "acc", "out"."""
     from tvm import te, tirx
 
     if spec.k is None or spec.batched:
@@ -39,8 +40,8 @@ def kblocked_gemm_compute(spec: GemmSpec, m_pad: int, n_pad: int, kc: int):
     by_row = spec.bias_axis == "m"
     bias = te.placeholder((M,) if by_row else (N,), spec.dtype, name="bias")
 
-    def col(j):  # padded column -> a real one (its result is discarded)
-        return j if Np.value == N.value else te.min(j, N - 1)
+    def col(j):
+        return padded_column(j, N, Np, granule)
 
     def kidx(k):  # padded K -> a real index (its value is replaced by zero)
         return te.min(k, K - 1) if padded else k

@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 50  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 51  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -517,7 +517,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
     kc = k_chunk(spec, cpu)
     if kc is not None:
         mr, nr = 6, 4 * vec  # the panel is short now: the widest tile
-        sch = s_tir.Schedule(kblocked_gemm_compute(spec, mr, nr, kc))
+        sch = s_tir.Schedule(kblocked_gemm_compute(spec, mr, nr, kc, column_granule(spec, nr, vec)))
         loops = _schedule_packed_kblocked(sch, spec, mr, nr, vec, cpu)
         loops = [sch.get(loop).loop_var for loop in loops]
         chunks, width = -(-spec.k // kc), _panels_per_task(spec, nr, cpu) * nr
@@ -529,7 +529,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
                                                         spec.b_layout == "nk", max_tiles)  # fmt: skip
         return cpu_tail_tile.cut_last_tiles(mod, mr, ("partial_init", "partial_update"))
     elif spec.batched:
-        sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr))
+        sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr, column_granule(spec, nr, vec)))
         pack_loops = _schedule_packed_batched(sch, spec, mr, nr, vec)
         mod = cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
         if spec.n % vec and spec.dtype == spec.acc_dtype:  # (as below: task_order)
@@ -566,7 +566,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             _schedule_gemv_nk(sch, spec, vec)
     else:
         m_pad = 2 * mr if spec.variant == "rows" else mr  # (see _schedule_packed)
-        sch = s_tir.Schedule(gemm_compute(spec, m_pad, nr))
+        sch = s_tir.Schedule(gemm_compute(spec, m_pad, nr, granule=column_granule(spec, nr, vec)))
         pack_loops = _schedule_packed(sch, spec, mr, nr, vec)
         mod = cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
         # (see task_order; the "rows" variant's tile stores too)
@@ -574,6 +574,19 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
             mod = cpu_tile_store.split_full_panels(mod, spec.n, nr)
         return cpu_tail_tile.cut_last_tiles(mod, mr)
     return sch.mod
+
+
+def column_granule(spec: GemmSpec, nr: int, vec: int) -> int:
+    """How the packed kernels' computes clamp the padded columns of the last panel of a "kn"
+    B (``kernels/gemm.py`` ``padded_column``): by whole vectors where N is whole vectors but
+    not whole panels, else value by value (whole panels: no clamp; N off the vectors: the
+    tile store splits the last panel off, ``cpu_tile_store``). The pack copies a "kn" panel
+    in vectors along N, which a clamp by value turned into a copy value by value. Through the
+    op, "kn" weights, 2 threads, Intel Xeon (KVM model 167), against torch.mm, by value -> by
+    vectors: M = 128, N x K = 1376 x 512 0.75 -> 0.93x, 1376 x 256 0.71 -> 0.88x, 688 x 512
+    0.56 -> 0.87x, 1376 x 1376 0.76 -> 0.87x; M = 1024, 1376 x 512 0.92 -> 1.00x, 688 x 4096
+    0.91 -> 1.03x. (A "nk" B clamps its rows, copied along K: nothing to gain there.)"""
+    return vec if spec.b_layout == "kn" and spec.n % nr and spec.n % vec == 0 else 1
 
 
 def _pad_operands(sch, spec: GemmSpec, nr: int, mr: int | None = None):
