@@ -158,13 +158,36 @@ def test_batched_last_tile_runs_the_rows_left(layout):
 
 
 @pytest.mark.parametrize(
-    "dtype,n", [(torch.float32, 64), (torch.float64, 32), (torch.bfloat16, 64)], ids=str
+    "dtype,n",
+    [(torch.float32, 64), (torch.float64, 32), (torch.bfloat16, 64)]
+    + [(torch.float32, 32), (torch.float32, 80), (torch.float64, 40)],  # (batched_tile)
+    ids=str,
 )
 def test_batched_matmul_one_panel_wide(dtype, n):
-    # P @ V with V exactly one register panel wide: read in place (fp32/fp64), packed
-    # (narrow dtypes, converted once); M off the row tile, K off the vectors.
+    # P @ V with V exactly one register panel wide (the register tile's, or a panel of N
+    # columns for a V of a few vectors: 80 = 5 x 16, rows 4): read in place (fp32/fp64),
+    # packed (narrow dtypes, converted once); M off the row tile, K off the vectors.
     p, v = randn(3, 37, 45, dtype=dtype), randn(3, 45, n, dtype=dtype)
     assert_close(tg.matmul(p, v), torch.matmul(p.double(), v.double()), 45)
+
+
+def test_batched_tile_one_panel_for_a_few_vectors():
+    from torch_tvm_gemm.kernels.gemm import GemmSpec
+    from torch_tvm_gemm.schedules.cpu import batched_tile, register_tile
+    from torch_tvm_gemm.target import host_cpu
+
+    cpu = host_cpu()
+    if cpu.vector_registers < 32:
+        pytest.skip("the register tile's panels on this CPU")
+
+    def tile(n, layout="kn"):
+        return batched_tile(GemmSpec("float32", n, None, layout, batched=True), cpu)
+
+    mr, nr, vec = register_tile(GemmSpec("float32", 64, None, "kn", batched=True), cpu)
+    assert tile(80) == (24 // 5, 80, vec) and tile(2 * vec) == (12, 2 * vec, vec)
+    assert tile(nr) == tile(2 * nr) == (mr, nr, vec)  # whole panels
+    assert tile(80, "nk") == tile(100) == (mr, nr, vec)  # "nk"; N off the vectors
+    assert tile(7 * vec) == (mr, nr, vec)  # past ONE_PANEL_MAX_VECTORS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 51  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 52  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -397,6 +397,30 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     return 6, 2 * vec, vec  # 12 + 2 + 1 of 16
 
 
+# A batched "kn" B of at most this many whole vectors that is no whole number of panels is one
+# panel exactly as wide (batched_tile).
+ONE_PANEL_MAX_VECTORS = 6
+
+
+def batched_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
+    """(MR, NR, VEC) of the batched kernel: ``register_tile``'s, except for a "kn" B (P @ V:
+    attention's V, N its head dim) of whole vectors, at most ONE_PANEL_MAX_VECTORS, that is no
+    whole number of panels: one panel of exactly N columns, read in place, its rows as many
+    as keep 24 accumulators (at most 12). A head dim of 80 or 96 was two 64-wide panels, the
+    second mostly padding, and 32 or 48 one such panel. P @ V, S = 128, 12 products, 2
+    threads, Intel Xeon (KVM model 167), against torch.bmm, 64-wide panels -> one panel:
+    head dim 32 0.53 -> 1.05x, 48 0.68 -> 1.00x, 80 0.57 -> 1.03x (96 products 0.64 ->
+    1.02x; S = 77 0.53 -> 1.00x), 96 0.67 -> 0.98x (S = 197 0.67 -> 0.91x); 96 as panels of
+    2 or 3 vectors 0.91-0.94x."""
+    mr, nr, vec = register_tile(spec, cpu)
+    vectors = spec.n // vec
+    whole_vectors = spec.n % vec == 0 and spec.n % nr != 0
+    if spec.b_layout == "kn" and cpu.vector_registers >= 32 and whole_vectors:
+        if vectors <= ONE_PANEL_MAX_VECTORS:
+            return min(12, 24 // vectors), spec.n, vec
+    return mr, nr, vec
+
+
 # K blocking of the packed kernel (a static K whose 64-wide panel of B outgrows half the L2):
 # chunks of K, each chunk's panel packed and used while it is in cache, partial sums added up
 # in memory. A chunk is at most ``k_chunk_max`` values (or a little fewer, to divide K): a
@@ -529,6 +553,7 @@ def schedule_gemm(spec: GemmSpec, cpu: CpuInfo | None = None):
                                                         spec.b_layout == "nk", max_tiles)  # fmt: skip
         return cpu_tail_tile.cut_last_tiles(mod, mr, ("partial_init", "partial_update"))
     elif spec.batched:
+        mr, nr, vec = batched_tile(spec, cpu)
         sch = s_tir.Schedule(batched_gemm_compute(spec, mr, nr, column_granule(spec, nr, vec)))
         pack_loops = _schedule_packed_batched(sch, spec, mr, nr, vec)
         mod = cpu_pack_prefetch.with_pack_prefetch(sch, spec, pack_loops, nr, vec)
