@@ -35,22 +35,33 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // 32 x 32 values: the block's 32 source rows fit in L1
 
-// dst (rows x cols, row-major) = the transpose of src (cols x rows, row-major), by blocks of
-// rows of dst, each block a task.
-template <typename T>
-void transpose_blocks(const T* src, T* dst, int64_t rows, int64_t cols) {
+// dst (rows x cols, row-major) = the transpose of src (cols x rows, row-major), by blocks:
+// copy_block(r0, r1, c0, c1) copies rows [r0, r1) x columns [c0, c1) of dst; the blocks of
+// rows are torch's threads' tasks.
+template <typename CopyBlock>
+void transpose_blocks(int64_t rows, int64_t cols, const CopyBlock& copy_block) {
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
   at::parallel_for(0, row_blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t rb = first; rb < last; ++rb) {
       const int64_t r0 = rb * kBlock, r1 = std::min(r0 + kBlock, rows);
-      for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
-        const int64_t c1 = std::min(c0 + kBlock, cols);
-        for (int64_t r = r0; r < r1; ++r) {
-          T* out = dst + r * cols;
-          for (int64_t c = c0; c < c1; ++c) out[c] = src[c * rows + r];
-        }
-      }
+      for (int64_t c0 = 0; c0 < cols; c0 += kBlock)
+        copy_block(r0, r1, c0, std::min(c0 + kBlock, cols));
     }
+  });
+}
+
+// One block value by value (any element type; the edges of the 8 x 8 tiles below).
+template <typename T>
+void copy_values(const T* src, T* dst, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
+                 int64_t c0, int64_t c1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) dst[r * cols + c] = src[c * rows + r];
+}
+
+template <typename T>
+void transpose_values(const void* src, void* dst, int64_t rows, int64_t cols) {
+  transpose_blocks(rows, cols, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    copy_values(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, r0, r1, c0, c1);
   });
 }
 
@@ -77,28 +88,17 @@ __attribute__((target("avx2"))) inline void transpose_8x8(const float* s, int64_
   }
 }
 
-// transpose_blocks for 4-byte values: the same blocks, each by 8 x 8 tiles, its edges by value.
-__attribute__((target("avx2"))) void transpose_blocks_avx2(const float* src, float* dst,
-                                                           int64_t rows, int64_t cols) {
-  const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
-  at::parallel_for(0, row_blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t rb = first; rb < last; ++rb) {
-      const int64_t r0 = rb * kBlock, r1 = std::min(r0 + kBlock, rows);
-      for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
-        const int64_t c1 = std::min(c0 + kBlock, cols);
-        int64_t r = r0;
-        for (; r + 8 <= r1; r += 8) {
-          int64_t c = c0;
-          for (; c + 8 <= c1; c += 8)
-            transpose_8x8(src + c * rows + r, rows, dst + r * cols + c, cols);
-          for (; c < c1; ++c)
-            for (int64_t q = r; q < r + 8; ++q) dst[q * cols + c] = src[c * rows + q];
-        }
-        for (; r < r1; ++r)
-          for (int64_t c = c0; c < c1; ++c) dst[r * cols + c] = src[c * rows + r];
-      }
-    }
-  });
+// One block of 4-byte values by 8 x 8 tiles, its edges value by value.
+__attribute__((target("avx2"))) void copy_tiles(const float* src, float* dst, int64_t rows,
+                                                int64_t cols, int64_t r0, int64_t r1,
+                                                int64_t c0, int64_t c1) {
+  int64_t r = r0;
+  for (; r + 8 <= r1; r += 8) {
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) transpose_8x8(src + c * rows + r, rows, dst + r * cols + c, cols);
+    copy_values(src, dst, rows, cols, r, r + 8, c, c1);
+  }
+  copy_values(src, dst, rows, cols, r, r1, c0, c1);
 }
 
 bool has_avx2() {
@@ -118,26 +118,27 @@ at::Tensor transposed_copy(const at::Tensor& t) {
   TORCH_CHECK(is_transposed_contiguous(t), "transposed_copy: not a transposed matrix");
   at::Tensor out = empty_output(t.sizes(), t.options());
   const int64_t rows = t.size(0), cols = t.size(1);
+  const void* src = t.data_ptr();
+  void* dst = out.data_ptr();
   // (by element size: the copy moves values, whatever their type)
   switch (t.element_size()) {
     case 2:
-      transpose_blocks(static_cast<const int16_t*>(t.data_ptr()),
-                       static_cast<int16_t*>(out.data_ptr()), rows, cols);
+      transpose_values<int16_t>(src, dst, rows, cols);
       break;
     case 4:
 #ifdef TVM_GEMM_X86
       if (has_avx2()) {
-        transpose_blocks_avx2(static_cast<const float*>(t.data_ptr()),
-                              static_cast<float*>(out.data_ptr()), rows, cols);
+        transpose_blocks(rows, cols, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+          copy_tiles(static_cast<const float*>(src), static_cast<float*>(dst), rows, cols, r0,
+                     r1, c0, c1);
+        });
         break;
       }
 #endif
-      transpose_blocks(static_cast<const int32_t*>(t.data_ptr()),
-                       static_cast<int32_t*>(out.data_ptr()), rows, cols);
+      transpose_values<int32_t>(src, dst, rows, cols);
       break;
     case 8:
-      transpose_blocks(static_cast<const int64_t*>(t.data_ptr()),
-                       static_cast<int64_t*>(out.data_ptr()), rows, cols);
+      transpose_values<int64_t>(src, dst, rows, cols);
       break;
     default:
       out.copy_(t);
