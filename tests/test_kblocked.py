@@ -13,16 +13,16 @@ from conftest import DTYPES, assert_close, randn
 import torch_tvm_gemm as tg
 from torch_tvm_gemm.kernels.gemm import GemmSpec
 from torch_tvm_gemm.runtime.table import get_kernel
-from torch_tvm_gemm.schedules.cpu import k_chunk, k_chunk_max
+from torch_tvm_gemm.schedules.cpu import k_chunk, k_chunk_max, one_pass_max_k
 from torch_tvm_gemm.target import host_cpu
 
 CPU = host_cpu()
 pytestmark = pytest.mark.skipif(CPU.vector_registers < 32, reason="no K blocking on this CPU")
-# The largest K that still runs as one pass (a 4-vector-wide fp32 panel in half the L2).
-K_ONE_PASS = CPU.l2_bytes // 2 // (4 * CPU.vector_bytes)
+# The largest K that still runs as one pass (a 4-vector-wide fp32 panel under half the L2).
+K_ONE_PASS = one_pass_max_k(CPU)
 K_CHUNK = k_chunk_max(CPU)  # the longest chunk
 K_EXACT = (K_ONE_PASS // K_CHUNK + 1) * K_CHUNK  # whole chunks of K_CHUNK
-K_ODD = K_ONE_PASS + 1  # no chunk of whole vectors divides it: K padded to whole chunks
+K_ODD = K_ONE_PASS + 2  # no chunk of whole vectors divides it: K padded to whole chunks
 
 
 def spec(k: int, dtype: str = "float32", **kw) -> GemmSpec:
@@ -36,6 +36,7 @@ def reference(x, w, b, act):
 
 def test_chunk_rule_at_the_threshold():
     assert k_chunk(spec(K_ONE_PASS), CPU) is None
+    assert k_chunk(spec(K_ONE_PASS + 1), CPU) is not None  # a panel of half the L2: chunks
     assert k_chunk(spec(K_EXACT), CPU) == K_CHUNK
     kc = k_chunk(spec(K_ODD), CPU)
     assert kc % 16 == 0 and K_ODD % kc != 0

@@ -59,7 +59,7 @@ from . import (
 )
 from .cpu_gemv import KSPLIT_MAX_M, KSPLIT_MIN_N, KSPLIT_N_MULTIPLE
 
-SCHEDULE_VERSION = 52  # bump when a schedule changes the binary: it is part of the cache key
+SCHEDULE_VERSION = 53  # bump when a schedule changes the binary: it is part of the cache key
 # ops/gemm_ops.py (and csrc/, given these numbers) picks the "gemv" variant for M at or below
 # GEMV_MAX_M when B has at least GEMV_MIN_B_ELEMENTS: then reading B once is the cost. For a
 # smaller B the packed kernel is faster even at M=1..16, its 6-row tiles keeping several
@@ -371,14 +371,30 @@ def rows_split_wins(m: int, n: int, threads: int) -> bool:
 
 
 def rows_max_k(cpu: CpuInfo | None = None) -> int:
-    """The longest K of the "rows" variant: one pass over K with the 6 x 4-vector tile (the
-    packed kernel's tile up to half of the L2, ``register_tile``); 0 (never) on a CPU with
-    fewer than 32 vector registers (not measured there)."""
+    """The longest K of the "rows" variant: one pass over K with the 6 x 4-vector tile
+    (``one_pass_max_k``); 0 (never) on a CPU with fewer than 32 vector registers (not
+    measured there)."""
     cpu = cpu or host_cpu()
-    if cpu.vector_registers < 32:
-        return 0
-    vec = cpu.vector_bytes // 4
-    return cpu.l2_bytes // 2 // (4 * vec * 4)
+    return one_pass_max_k(cpu) if cpu.vector_registers >= 32 else 0
+
+
+# The packed kernel sums all of K in one pass while a 4-vector-wide panel of B (K x 64 float32
+# values on AVX-512) takes less than half of the L2; from half on, it runs over chunks of K
+# (``k_chunk``). At exactly half (K = 4096 on a 2 MB L2, a 1 MB panel) the chunks won: kernels
+# alone, x fresh from F.rms_norm at each call, two 4096 x 4096 weights in turn (from memory),
+# 2 threads, Intel Xeon (KVM model 167), against torch.mm, three runs (two in reverse order),
+# the "rows" one pass -> chunks of 1024: M = 512 0.91-1.01 -> 0.98-1.02x, 1024 0.95-0.98 ->
+# 1.00x, 2048 0.96-1.02 -> 1.00-1.04x; the weight hot, M = 128 / 256 the plain one pass
+# 0.88-1.05 / 0.99x -> 1.03-1.05 / 1.03x. Through the op (bench-inference, 4096 x 4096 and
+# 11008 x 4096, relu and plain, M = 128 to 2048: 20 rows), two runs before and three after,
+# alternating: geometric mean 1.03 / 1.04x -> 1.08 / 1.06 / 1.06x torch, lowest row 0.98 /
+# 0.96x -> 1.01 / 0.99 / 0.99x. At K = 3072 (768 x 3072) chunks were even with the one pass
+# (M = 128-2048, within 3%): the bound stays at half. (Not measured on a 1 MB L2, where it
+# moves K = 2048 to chunks.)
+def one_pass_max_k(cpu: CpuInfo) -> int:
+    """The longest static K that the packed kernel sums in one pass (see above); a row of
+    its panel is 4 vectors of the accumulation dtype, whichever it is."""
+    return (cpu.l2_bytes // 2 - 1) // (4 * cpu.vector_bytes)
 
 
 def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
@@ -391,7 +407,7 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
         # the core's L2. Past half of it the tile turns to 12 x 2 vectors: the same 24
         # accumulators, panels half as wide (12 broadcasts per 2 vector loads). Measured:
         # K = 11008 on a 2 MB L2, 64-wide panels of 2.8 MB ran at 0.34-0.39x torch from M = 64.
-        if spec.k is not None and spec.k * 4 * vec * acc_bytes > cpu.l2_bytes // 2:
+        if spec.k is not None and spec.k > one_pass_max_k(cpu):
             return 12, 2 * vec, vec
         return 6, 4 * vec, vec  # 24 accumulators, 4 B loads, 1 broadcast
     return 6, 2 * vec, vec  # 12 + 2 + 1 of 16
@@ -519,9 +535,7 @@ def k_chunk(spec: GemmSpec, cpu: CpuInfo) -> int | None:
                 return kc
         most = KN_CHUNK
     else:
-        acc_bytes = 8 if spec.acc_dtype == "float64" else 4
-        nr = 4 * (cpu.vector_bytes // acc_bytes)
-        if spec.k * nr * acc_bytes <= cpu.l2_bytes // 2:
+        if spec.k <= one_pass_max_k(cpu):
             return None
         most = k_chunk_max(cpu)
     # The fewest padded values of K over chunks that are whole vectors (ties: the longer).
