@@ -114,7 +114,7 @@ struct Config {
   // "swap2" (kVariants[8]; float32 "nk", static K, two panels of x): the same four bounds
   // (schedules/cpu.py SWAP2_*, swap_max_k); max_m 0: never.
   OnePanelSwap swap2{};
-  // "rows" (kVariants[9]; float32, static K, either layout): N <= max_n, K <= max_k, and
+  // "rows" (kVariants[9]; float32, either layout, K static or not): N <= max_n, K <= max_k, and
   // M >= min_m or, past dot_max_m, rows_split_wins (schedules/cpu.py ROWS_*, rows_max_k);
   // max_k 0: never.
   struct {
@@ -227,7 +227,7 @@ int gemm_variant(int64_t m, int64_t n, int64_t k, bool b_nk, bool fp32, bool bf1
                  bool static_k) {
   const bool big_b = n * k >= g_config.gemv_min_b_elements;
   const auto& rows = g_config.rows;
-  if (big_b && fp32 && static_k && n <= rows.max_n && k <= rows.max_k &&
+  if (big_b && fp32 && n <= rows.max_n && k <= rows.max_k &&
       (m >= rows.min_m ||
        (m > g_config.dot_max_m && rows_split_wins(m, n, at::get_num_threads())))) {
     return 9;

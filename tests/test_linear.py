@@ -683,7 +683,8 @@ def test_rows_variant_rule():
     assert gemm_variant(1024, cpu_schedules.ROWS_MAX_N, 768, "nk") == "rows"
     assert gemm_variant(1024, cpu_schedules.ROWS_MAX_N + 1, 768, "nk") == "gemm"  # (A copied)
     assert gemm_variant(1024, 768, 768, "nk", dtype="float64") == "gemm"
-    assert gemm_variant(1024, 768, 768, "nk", static_k=False) == "gemm"
+    assert gemm_variant(1024, 768, 768, "kn", static_k=False) == "rows"  # (a matmul: the call's K)
+    assert gemm_variant(1024, 768, max_k + 1, "kn", static_k=False) == "gemm"
     assert gemm_variant(1024, 768, 768, "nk", device="cuda") == "gemm"
 
 
@@ -718,7 +719,7 @@ def test_rows_variant_rule_for_panels_that_do_not_share_out():
     assert variant(100, 3 * panel, threads=3) == "gemm"  # a panel each
     assert variant(100, 5 * panel, threads=4) == "rows"  # 2 panels against 1
     assert gemm_variant(100, panel, 256, "kn", dtype="float64", threads=2) == "gemm"
-    assert gemm_variant(100, panel, 256, "kn", static_k=False, threads=2) == "gemm"
+    assert gemm_variant(100, panel, 256, "kn", static_k=False, threads=2) == "rows"
     assert variant(100, 3 * panel, k=cpu_schedules.rows_max_k() + 1) == "gemm"
 
 

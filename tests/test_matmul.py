@@ -78,6 +78,39 @@ def test_one_kernel_serves_every_m(m):
 
 
 @pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(513, 65, 70), (601, 1, 4100), (1024, 300, 130), (100, 256, 64), (41, 77, 192)],
+)
+def test_matmul_rows_variant(m, k, n):
+    """A matmul of two activations (K symbolic: one kernel for every K) takes the row halves
+    by the call's K as a Linear does: from ROWS_MIN_M rows, or below where N's panels do not
+    share out between the threads (N = 64: one panel; 192: three). Odd M (halves of
+    different lengths), N off the panels and the vectors, K off the vectors and K = 1 (B of
+    at least GEMV_MIN_B_ELEMENTS: a wide one); a NaN
+    in A's last row stays in its row. The same kernel then serves another K."""
+    from torch_tvm_gemm.ops.gemm_ops import gemm_spec
+    from torch_tvm_gemm.schedules import cpu
+
+    if not cpu.rows_max_k():
+        pytest.skip("the rows variant needs 32 vector registers")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spec = gemm_spec("float32", m, n, k, "kn", static_k=False)
+        assert (spec.variant, spec.k) == ("rows", None)
+        for kk in (k, k + 5):
+            a, b = randn(m, kk), randn(kk, n)
+            a[m - 1, 0] = float("nan")
+            table.clear_table()
+            out = tg.matmul(a, b)
+            assert [(s.variant, s.k) for s in table._table] == [("rows", None)]
+            assert torch.isnan(out[m - 1]).all() and not torch.isnan(out[: m - 1]).any()
+            assert_close(out[: m - 1], a[: m - 1].double() @ b.double(), kk)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(
     "shape_a,shape_b",
     [
         ((3, 7, 33), (3, 33, 5)),  # batched

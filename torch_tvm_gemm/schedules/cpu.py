@@ -289,7 +289,8 @@ def gemm_variant(
     "gemm"."""
     big_b = n * k >= GEMV_MIN_B_ELEMENTS
     nk = device == "cpu" and b_layout == "nk" and big_b
-    fp32_cpu = device == "cpu" and big_b and dtype == "float32" and static_k
+    # ("rows" for a symbolic K too, by the call's K: a matmul of two activations)
+    fp32_cpu = device == "cpu" and big_b and dtype == "float32"
     if fp32_cpu and _rows_fits(m, n, k, threads):
         return "rows"
     if nk and dtype == "float32" and static_k:
@@ -785,6 +786,11 @@ ROWS_MAX_N = (A_PACK_MIN_PANELS - 1) * ROWS_PANEL
 # (512 x 512 M = 128 1.06x -> 0.97x). At M = 56-64 the halves also beat the swap kernels
 # for these weights (64 x 256: swap 0.49-0.54x, packed 0.90-0.93x, rows 1.20-1.24x; 320 x 320
 # 0.74-0.80x, 0.86-0.92x, 0.93-1.04x); at M <= DOT_MAX_M the dot and swap32 kernels keep them.
+# A matmul of two activations (K symbolic in the kernel) takes the same rule by the call's K
+# (Intel Xeon, KVM model 167, 2 threads, `tg.matmul` against torch.matmul, two alternating
+# runs each, whole panels -> rows): M x N x K = 100 x 64 x 256 0.72 -> 1.15-1.19x, 600 x 192 x
+# 300 0.74-0.79 -> 1.06-1.08x; 2048^3 0.96-0.97 -> 0.97-0.99x, 768 x 768 x 2048 0.90-0.94 ->
+# 0.94x, 1024^3 and 768 x 3072 x 512 within the runs' spread (0.92-0.96x either way).
 ROWS_PACK_ROWS = 8
 
 
