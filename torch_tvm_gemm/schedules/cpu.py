@@ -405,7 +405,7 @@ def register_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     # Accumulators + B vectors + one broadcast must fit the register file.
     if cpu.vector_registers >= 32:
         # A packed panel of B (K x NR) is streamed once per MR rows of A, so it must stay in
-        # the core's L2. Past half of it the tile turns to 12 x 2 vectors: the same 24
+        # the core's L2. From half of it on the tile turns to 12 x 2 vectors: the same 24
         # accumulators, panels half as wide (12 broadcasts per 2 vector loads). Measured:
         # K = 11008 on a 2 MB L2, 64-wide panels of 2.8 MB ran at 0.34-0.39x torch from M = 64.
         if spec.k is not None and spec.k > one_pass_max_k(cpu):
