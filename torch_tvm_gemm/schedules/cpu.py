@@ -438,7 +438,8 @@ def batched_tile(spec: GemmSpec, cpu: CpuInfo) -> tuple[int, int, int]:
     return mr, nr, vec
 
 
-# K blocking of the packed kernel (a static K whose 64-wide panel of B outgrows half the L2):
+# K blocking of the packed kernel (a static K whose 64-wide panel of B fills half the L2 or
+# more, ``one_pass_max_k``):
 # chunks of K, each chunk's panel packed and used while it is in cache, partial sums added up
 # in memory. A chunk is at most ``k_chunk_max`` values (or a little fewer, to divide K): a
 # panel's piece of it an eighth of the L2, 1024 values on a 2 MB L2, 512 on 1 MB. Chunks of

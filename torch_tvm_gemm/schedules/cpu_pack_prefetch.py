@@ -29,7 +29,7 @@ alone (M = 6, one thread) +6% to +13%. 16 rows ahead: about the same. (On a Xeon
 of 8 weights at M = 128, but through the op GPT-2's shapes lost up to 14% at M = 32 and the
 GPT-2 model lost 2-3% at batch 1: kept.)
 
-The K-blocked kernel (K past half the L2 in a 64-wide panel: K > 2048 on a 1 MB L2) packs a
+The K-blocked kernel (a 64-wide panel of half the L2 or more: K >= 2048 on a 1 MB L2) packs a
 chunk of 256 values of K of its task's panels at a time, then runs every tile of A over it.
 With the weight from memory the packs waited for it; now the next chunk's piece is asked for
 into the L2 while the tiles of this one run (``prefetch_next_chunk``). Measured on an AMD
