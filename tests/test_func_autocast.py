@@ -272,6 +272,7 @@ def test_autocast_keeps_a_weights_cast_while_it_is_unchanged():
         return tg.kept_bytes().get("autocast casts", 0)
 
     def cast_a_weight_and_drop_it():
+        gc.collect()  # (earlier tests' weights left in cycles would go in the count below)
         before = _cast_bytes()
         other = nn.Parameter(randn(60, 16, seed=4))
         with torch.no_grad(), bf16():
