@@ -404,6 +404,28 @@ def test_dot_epilogue_in_vectors(m, act):
     torch.testing.assert_close(out, want.float(), equal_nan=True, **tolerance(torch.float32, 800))
 
 
+@pytest.mark.parametrize(
+    "m,n,k,act", [(8, 1, 4096, "silu"), (2, 5, 1024, "gelu"), (17, 15, 2048, "gelu_tanh")]
+)
+def test_dot_epilogue_of_rows_shorter_than_a_vector(m, n, k, act):
+    # A head of fewer outputs than a vector's lanes (a value head: N = 1) with a polynomial
+    # activation: no whole vector to split off the row (the build failed on it). The dot
+    # kernel itself (whichever kernel this CPU's rule picks), then through the op.
+    from torch_tvm_gemm.runtime.table import get_kernel
+
+    assert n < host_cpu().vector_bytes // 4
+    spec = gemm_spec("float32", m, n, k, "nk", bias=True, activation=act)
+    spec = dataclasses.replace(spec, variant="dot2" if m <= cpu_schedules.DOT2_MAX_M else "dot")
+    x, w, b = randn(m, k), randn(n, k), randn(n)
+    x[1, 5] = float("nan")
+    want = torch_activation(act)(F.linear(x.double(), w.double(), b.double())).float()
+    out = torch.empty(m, n)
+    get_kernel(spec)(x, w, b, out)
+    for got in (out, tg.linear(x, w, b, act)):
+        assert torch.isnan(got[1]).all() and not torch.isnan(got[0]).any()
+        torch.testing.assert_close(got, want, equal_nan=True, **tolerance(torch.float32, k))
+
+
 @pytest.mark.parametrize("n", [200, 768])
 @pytest.mark.parametrize("m,k,variant", [(8, 48, "gemm"), (2, 48, "dot2"), (2, 33, "dot2"),
                                          (4, "least", "dot"), (4, "shorter", "gemm"),

@@ -1237,10 +1237,13 @@ def _epilogue_in_vectors(sch, spec: GemmSpec, out, vec: int, parallel: bool) -> 
     parallel loop, which a ReLU does not pay back: 325 -> 352 us)."""
     rows, cols = sch.get_loops(out)
     vectors, lanes = sch.split(cols, [None, vec])
-    if spec.n % vec:
+    if spec.n < vec:  # a row shorter than a vector: no whole one to split off
+        sch.loop_partition(lanes, [spec.n, None])  # (lanes past N: a false test)
+    elif spec.n % vec:
         whole = _tail_apart(sch, vectors, spec.n, vec)
-        lanes = sch.get_loops(sch.get_child_blocks(whole)[-1])[-1]
-    sch.vectorize(lanes)
+        sch.vectorize(sch.get_loops(sch.get_child_blocks(whole)[-1])[-1])
+    else:
+        sch.vectorize(lanes)
     if parallel:
         sch.parallel(rows)
 
