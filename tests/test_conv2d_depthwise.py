@@ -45,6 +45,7 @@ CASES = [
     (2, 4, 2, 2, 1, 3, 2, 1, 1),  # a 1x1 output: the padding keeps its condition
     (1, 3, 1, 6, 1, 3, 1, 1, 1),  # one input row
     (1, 3, 5, 1, 2, 3, 2, 1, 1),  # one input column
+    (1, 4, 2, 1, 1, 7, 2, 3, 1),  # a column phase with no input column in bounds
     # rows of at least LLVM_PHASE_SPLIT_MIN_W columns at stride 2: the phases are split from
     # the padded row (or from x itself, with no padding)
     (1, 3, 9, LLVM_PHASE_SPLIT_MIN_W + 2, 1, 3, 2, 0, 1),

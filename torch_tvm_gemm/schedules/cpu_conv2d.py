@@ -400,6 +400,8 @@ def _schedule_pack(sch, task, per_call: bool) -> None:
     else:
         sch.compute_at(w_pack, task)
         *crs_loops, ki = sch.get_loops(w_pack)[1:]  # (c, r, s, ki) under the task loop
+    if not crs_loops:  # (C * R * S = 1, one input channel 1x1: TVM keeps no loop of one)
+        return
     crs = sch.fuse(*crs_loops) if len(crs_loops) > 1 else crs_loops[0]
     tile, inner = sch.split(crs, [None, 16])
     sch.reorder(tile, ki, inner)

@@ -156,6 +156,8 @@ def _vectorize_row(sch, loop) -> None:
     """Vectorize a row loop whole, or in ``_row_tile`` pieces when it is wider than
     ``ROW_VECTOR`` (TVM counts a vector's lanes in 16 bits)."""
     extent = sch.get(loop).extent.value
+    if extent == 0:  # (a column phase with no input column in bounds: no copy at all)
+        return
     if extent > ROW_VECTOR:
         loop = sch.split(loop, [None, _row_tile(extent)])[1]
     sch.vectorize(loop)
